@@ -1,0 +1,304 @@
+"""Collectives and point-to-point ops: the only place tessera calls torch.distributed.
+
+Every function takes the group it runs on, as an :class:`AxisGroup` or as an axis name that the
+current parallel context resolves. A group of one rank makes every op a no-op. Each call is
+recorded in the open comm ledgers and waited on under the watchdog: a call that does not
+complete within the timeout raises :class:`CommTimeoutError` naming rank, op and axis.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tessera.comm.group import AxisGroup
+from tessera.comm.ledger import record
+from tessera.errors import CommError, CommTimeoutError
+
+Group = AxisGroup | str
+
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
+
+# ---- group resolution ----------------------------------------------------------------------
+
+_resolver: Callable[[str], AxisGroup] | None = None
+
+
+def set_axis_resolver(resolver: Callable[[str], AxisGroup] | None) -> None:
+    """Let axis names resolve to groups (the parallel context installs itself here)."""
+    global _resolver
+    _resolver = resolver
+
+
+def resolve(group: Group) -> AxisGroup:
+    """Turn an axis name or an AxisGroup into an AxisGroup."""
+    if isinstance(group, AxisGroup):
+        return group
+    if isinstance(group, str):
+        if _resolver is None:
+            raise CommError(
+                f"axis {group!r} given by name, but no parallel context is current; "
+                "call tessera.launch(...) first or pass ctx.group(axis)"
+            )
+        return _resolver(group)
+    raise TypeError(f"expected an AxisGroup or an axis name, got {type(group).__name__}")
+
+
+# ---- watchdog ------------------------------------------------------------------------------
+
+_timeout_s: float = 300.0  # launch() sets it from config.comm.timeout_s
+
+
+def set_timeout(seconds: float) -> None:
+    """Set the watchdog timeout for every later collective on this rank."""
+    global _timeout_s
+    if seconds <= 0:
+        raise ValueError(f"watchdog timeout must be positive, got {seconds}")
+    _timeout_s = float(seconds)
+
+
+def get_timeout() -> float:
+    return _timeout_s
+
+
+@contextmanager
+def watchdog(seconds: float) -> Iterator[None]:
+    """Use a different watchdog timeout inside the ``with`` block."""
+    previous = _timeout_s
+    set_timeout(seconds)
+    try:
+        yield
+    finally:
+        set_timeout(previous)
+
+
+def _describe(op: str, group: AxisGroup) -> str:
+    rank = dist.get_rank() if dist.is_initialized() else group.global_rank
+    return f"rank {rank}: {op} on axis '{group.name}' (group ranks {list(group.ranks)})"
+
+
+def _wait(work: Any, op: str, group: AxisGroup) -> None:
+    """Wait for ``work``; on gloo under the watchdog timeout.
+
+    NCCL work is left to its stream semantics (a timed wait would block the CPU on every
+    collective); its hangs are ended by the process-group timeout that launch() sets from the
+    same config value.
+    """
+    if work is None:
+        return
+    timed = dist.get_backend(group.pg) == "gloo"
+    try:
+        if timed:
+            work.wait(timeout=datetime.timedelta(seconds=_timeout_s))
+        else:
+            work.wait()
+    except RuntimeError as exc:
+        text = str(exc)
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            raise CommTimeoutError(
+                f"{_describe(op, group)} did not complete within the watchdog timeout of "
+                f"{_timeout_s:g}s: a peer rank died, hangs, or skipped this collective"
+            ) from exc
+        raise CommError(f"{_describe(op, group)} failed: {text}") from exc
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _issue(op: str, group: AxisGroup, payload: int, start: Callable[[], Any]) -> None:
+    record(op, group.name, group.size, payload)
+    _wait(start(), op, group)
+
+
+def _reduce_op(op: str) -> Any:
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"reduce op {op!r} is not one of: {', '.join([*_REDUCE_OPS, 'avg'])}")
+    return _REDUCE_OPS[op]
+
+
+def _check_divisible(tensor: torch.Tensor, dim: int, parts: int, what: str) -> None:
+    if tensor.shape[dim] % parts != 0:
+        raise ValueError(
+            f"{what}: dimension {dim} of shape {tuple(tensor.shape)} is not divisible by the "
+            f"group size {parts}; pad it first"
+        )
+
+
+# ---- collectives ---------------------------------------------------------------------------
+
+
+def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
+    """Reduce ``tensor`` over the group in place and return it. ``op``: sum, avg, max, min, product."""
+    g = resolve(group)
+    if g.size == 1:
+        return tensor
+    base = "sum" if op == "avg" else op
+    reduce_op = _reduce_op(base)
+    buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+    _issue("all_reduce", g, _nbytes(buf), lambda: dist.all_reduce(buf, reduce_op, g.pg, async_op=True))
+    if op == "avg":
+        buf.div_(g.size)
+    if buf is not tensor:
+        tensor.copy_(buf)
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """Concatenate every member's ``tensor`` along ``dim``: [.., n, ..] -> [.., P*n, ..].
+
+    Members must hold equal shapes (gloo cannot gather uneven sizes: pad first).
+    """
+    g = resolve(group)
+    if g.size == 1:
+        return tensor
+    local = tensor.movedim(dim, 0).contiguous()
+    out = local.new_empty((g.size * local.shape[0], *local.shape[1:]))
+    _issue("all_gather", g, _nbytes(out), lambda: dist.all_gather_single(out, local, g.pg, async_op=True))
+    return out.movedim(0, dim)
+
+
+def reduce_scatter(tensor: torch.Tensor, group: Group, dim: int = 0, op: str = "sum") -> torch.Tensor:
+    """Sum over the group, keep this member's part along ``dim``: [.., P*n, ..] -> [.., n, ..]."""
+    g = resolve(group)
+    if g.size == 1:
+        return tensor
+    _check_divisible(tensor, dim, g.size, "reduce_scatter")
+    base = "sum" if op == "avg" else op
+    reduce_op = _reduce_op(base)
+    full = tensor.movedim(dim, 0).contiguous()
+    out = full.new_empty((full.shape[0] // g.size, *full.shape[1:]))
+    _issue(
+        "reduce_scatter",
+        g,
+        _nbytes(full),
+        lambda: dist.reduce_scatter_single(out, full, reduce_op, g.pg, async_op=True),
+    )
+    if op == "avg":
+        out.div_(g.size)
+    return out.movedim(0, dim)
+
+
+def broadcast(tensor: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:
+    """Copy member ``src``'s tensor (``src`` indexes the group) to every member, in place."""
+    g = resolve(group)
+    if g.size == 1:
+        return tensor
+    buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+    root = g.global_rank_of(src)
+    _issue("broadcast", g, _nbytes(buf), lambda: dist.broadcast(buf, root, g.pg, async_op=True))
+    if buf is not tensor:
+        tensor.copy_(buf)
+    return tensor
+
+
+def reduce(tensor: torch.Tensor, group: Group, dst: int = 0, op: str = "sum") -> torch.Tensor:
+    """Reduce onto member ``dst`` (an index in the group), in place; other members' values are undefined."""
+    g = resolve(group)
+    if g.size == 1:
+        return tensor
+    reduce_op = _reduce_op(op)
+    buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+    root = g.global_rank_of(dst)
+    _issue("reduce", g, _nbytes(buf), lambda: dist.reduce(buf, root, reduce_op, g.pg, async_op=True))
+    if buf is not tensor:
+        tensor.copy_(buf)
+    return tensor
+
+
+def all_to_all(tensor: torch.Tensor, group: Group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Split ``tensor`` along ``scatter_dim`` into P parts, send part i to member i, and join the
+    parts received along ``gather_dim``: [.., P*a, .., b, ..] -> [.., a, .., P*b, ..].
+    """
+    g = resolve(group)
+    if g.size == 1:
+        return tensor
+    _check_divisible(tensor, scatter_dim, g.size, "all_to_all")
+    send = tensor.movedim(scatter_dim, 0).contiguous()
+    recv = torch.empty_like(send)
+    _issue("all_to_all", g, _nbytes(send), lambda: dist.all_to_all_single(recv, send, group=g.pg, async_op=True))
+    parts = [p.movedim(0, scatter_dim) for p in recv.chunk(g.size, dim=0)]
+    return torch.cat(parts, dim=gather_dim)
+
+
+def barrier(group: Group) -> None:
+    """Wait until every member arrives (under the watchdog)."""
+    g = resolve(group)
+    if g.size == 1:
+        return
+    _issue("barrier", g, 0, lambda: dist.barrier(g.pg, async_op=True))
+
+
+def broadcast_object(obj: Any, group: Group, src: int = 0) -> Any:
+    """Send a picklable object from member ``src`` to every member and return it."""
+    g = resolve(group)
+    if g.size == 1:
+        return obj
+    box = [obj]
+    record("broadcast", g.name, g.size, 0)
+    dist.broadcast_object_list(box, src=g.global_rank_of(src), group=g.pg)
+    return box[0]
+
+
+# ---- point to point ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class P2POp:
+    """One half of a point-to-point transfer: ``kind`` is "send" or "recv"; ``peer`` indexes the group."""
+
+    kind: str
+    tensor: torch.Tensor
+    group: Group
+    peer: int
+
+
+def send(tensor: torch.Tensor, group: Group, dst: int) -> None:
+    """Send ``tensor`` to member ``dst`` of the group."""
+    batch_p2p([P2POp("send", tensor, group, dst)])
+
+
+def recv(tensor: torch.Tensor, group: Group, src: int) -> torch.Tensor:
+    """Receive into ``tensor`` from member ``src`` of the group and return it."""
+    batch_p2p([P2POp("recv", tensor, group, src)])
+    return tensor
+
+
+def batch_p2p(ops: Sequence[P2POp]) -> None:
+    """Issue several sends and receives together and wait for all of them.
+
+    Tensors must be contiguous (gloo cannot send strided views); receive buffers are filled in
+    place.
+    """
+    if not ops:
+        return
+    issued: list[tuple[P2POp, AxisGroup]] = []
+    torch_ops: list[dist.P2POp] = []
+    for op in ops:
+        if op.kind not in ("send", "recv"):
+            raise ValueError(f"P2POp kind must be 'send' or 'recv', got {op.kind!r}")
+        if not op.tensor.is_contiguous():
+            raise ValueError(f"{op.kind} needs a contiguous tensor; call .contiguous() first")
+        g = resolve(op.group)
+        if g.size == 1:
+            raise ValueError(f"{op.kind} on axis '{g.name}' of one rank has no peer")
+        if not 0 <= op.peer < g.size or op.peer == g.rank:
+            raise ValueError(f"{op.kind} peer {op.peer} is not another member of {g}")
+        record(op.kind, g.name, g.size, _nbytes(op.tensor))
+        fn = dist.isend if op.kind == "send" else dist.irecv
+        torch_ops.append(dist.P2POp(fn, op.tensor, g.global_rank_of(op.peer), g.pg))
+        issued.append((op, g))
+    works = dist.batch_isend_irecv(torch_ops)
+    for work, (op, g) in zip(works, issued, strict=True):
+        _wait(work, f"{op.kind} (peer {op.peer})", g)

@@ -1,0 +1,138 @@
+"""``ParallelContext``: the process groups of a layout, seen from one rank."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tessera import comm
+from tessera.comm import AxisGroup
+from tessera.context.dims import AxisSpec, ParallelDims, group_table
+from tessera.context.rng import RNGStreams
+
+
+def _axis_name(axis: AxisSpec) -> str:
+    return axis if isinstance(axis, str) else "+".join(axis)
+
+
+class ParallelContext:
+    """Named axes, their process groups, this rank's place in them, and per-axis RNG streams.
+
+    Building a context with more than one rank is collective: every rank of the world must
+    build the same layout at the same point, because it creates the process groups.
+    """
+
+    def __init__(
+        self,
+        dims: ParallelDims,
+        *,
+        device: torch.device | None = None,
+        seed: int = 42,
+        config: Any = None,
+    ) -> None:
+        if dist.is_initialized():
+            rank, world = dist.get_rank(), dist.get_world_size()
+        else:
+            rank, world = 0, 1
+        if world != dims.world_size:
+            raise ValueError(f"layout is for world size {dims.world_size} but the process group has {world} ranks")
+        self.dims = dims
+        self.rank = rank
+        self.world_size = world
+        self.device = device or torch.device("cpu")
+        self.backend = dist.get_backend() if dist.is_initialized() else None
+        self.config = config
+        self.coordinates = dims.coordinates(rank)
+        self._groups: dict[AxisSpec, AxisGroup] = {}
+        self._pg_cache: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for axis in (*dims.axes, "world"):
+            self._groups[axis] = self._build(axis)
+        self.rng = RNGStreams(seed, dims, rank, self.device)
+
+    # ---- groups ---------------------------------------------------------------------------
+    def _build(self, axis: AxisSpec) -> AxisGroup:
+        """Create every group along ``axis`` (collectively) and keep the one holding this rank."""
+        mine: tuple[int, ...] = (self.rank,)
+        pg: dist.ProcessGroup | None = None
+        for members in group_table(self.dims, axis):
+            if len(members) > 1:
+                if members not in self._pg_cache:
+                    if len(members) == self.world_size:
+                        self._pg_cache[members] = dist.group.WORLD  # type: ignore[assignment]
+                    else:
+                        self._pg_cache[members] = dist.new_group(list(members))
+                if self.rank in members:
+                    pg = self._pg_cache[members]
+            if self.rank in members:
+                mine = members
+        return AxisGroup(name=_axis_name(axis), ranks=mine, rank=mine.index(self.rank), pg=pg)
+
+    def new_group(self, axes: AxisSpec) -> AxisGroup:
+        """The group varying over several axes at once, e.g. ``("data", "sequence")``.
+
+        Collective: every rank must call it with the same axes in the same order.
+        """
+        key = axes if isinstance(axes, str) else tuple(axes)
+        if key not in self._groups:
+            self._groups[key] = self._build(key)
+        return self._groups[key]
+
+    def group(self, axis: AxisSpec) -> AxisGroup:
+        """This rank's group along ``axis``; pass it to any ``tessera.comm`` function.
+
+        ``ctx.group(axis).pg`` is the torch ProcessGroup (None for an axis of one rank).
+        """
+        key = axis if isinstance(axis, str) else tuple(axis)
+        if key not in self._groups:
+            if isinstance(key, str):
+                self.dims.varied_coordinates(key)  # raises KeyError naming the axes that exist
+            raise KeyError(f"group {key!r} was not built; call ctx.new_group({key!r}) on every rank")
+        return self._groups[key]
+
+    def size(self, axis: AxisSpec) -> int:
+        return self.group(axis).size
+
+    def local_rank(self, axis: AxisSpec) -> int:
+        """This rank's index inside its group along ``axis``."""
+        return self.group(axis).rank
+
+    def ranks(self, axis: AxisSpec) -> list[int]:
+        """Global ranks of this rank's group along ``axis``."""
+        return list(self.group(axis).ranks)
+
+    def is_first(self, axis: AxisSpec) -> bool:
+        return self.local_rank(axis) == 0
+
+    def is_last(self, axis: AxisSpec) -> bool:
+        return self.local_rank(axis) == self.size(axis) - 1
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return self.dims.axes
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{a}={self.size(a)}" for a in self.axes if self.size(a) > 1) or "single rank"
+        return f"ParallelContext(rank={self.rank}/{self.world_size}, {sizes}, mode={self.dims.tensor_mode})"
+
+
+_current: ParallelContext | None = None
+
+
+def set_context(ctx: ParallelContext | None) -> None:
+    """Make ``ctx`` the current context; axis names given to ``tessera.comm`` resolve through it."""
+    global _current
+    _current = ctx
+    comm.set_axis_resolver(ctx.group if ctx is not None else None)
+
+
+def get_context() -> ParallelContext:
+    """The current parallel context (set by ``tessera.launch``)."""
+    if _current is None:
+        raise RuntimeError("no parallel context yet: call tessera.launch(...) or launch_from_torch(...)")
+    return _current
+
+
+def has_context() -> bool:
+    return _current is not None

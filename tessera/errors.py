@@ -1,0 +1,26 @@
+"""Exceptions shared by every layer of tessera."""
+
+from __future__ import annotations
+
+
+class TesseraError(Exception):
+    """Base class of every error tessera raises on purpose."""
+
+
+class ConfigError(TesseraError, ValueError):
+    """A configuration value is missing, misspelt, of the wrong type or breaks a rule.
+
+    Raised before any process group starts; the message names the key and what is allowed.
+    """
+
+
+class NotAvailableError(TesseraError, NotImplementedError):
+    """A configured feature is accepted by the config schema but not built yet."""
+
+
+class CommError(TesseraError, RuntimeError):
+    """A collective or point-to-point operation failed; the message names rank, op and axis."""
+
+
+class CommTimeoutError(CommError, TimeoutError):
+    """A collective did not complete within the watchdog timeout."""

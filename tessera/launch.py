@@ -1,0 +1,157 @@
+"""Start the process group and the parallel context, from explicit arguments or from the
+environment that torchrun, Slurm or OpenMPI set.
+
+The config is loaded and validated, and the layout checked against the world size, before any
+process group starts: a bad config fails at once on every rank with the same message.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from tessera import comm
+from tessera.config import Config, ConfigSource, load_config, parallel_dims
+from tessera.context import ParallelContext, seed_all, set_context
+from tessera.errors import ConfigError
+
+
+def resolve_backend(requested: str | None) -> str:
+    """``nccl`` when CUDA is present, else ``gloo``; an explicit choice is checked."""
+    if requested in (None, "auto"):
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("launch.backend='nccl' needs CUDA, and no GPU is visible; use 'gloo' or 'auto'")
+    if requested not in ("gloo", "nccl", "mpi"):
+        raise ConfigError(f"backend {requested!r} is not supported; allowed: auto, gloo, nccl, mpi")
+    return requested
+
+
+def launch(
+    config: ConfigSource = None,
+    *,
+    rank: int,
+    world_size: int,
+    host: str = "127.0.0.1",
+    port: int | str = 29500,
+    backend: str | None = None,
+    local_rank: int | None = None,
+    overrides: Sequence[str] = (),
+) -> ParallelContext:
+    """Start this rank: validate ``config``, join the process group, build and return the
+    parallel context (also made the current one, see ``tessera.get_context()``).
+
+    ``config`` is a path (.py, .yaml, .toml, .json), a dict, a Config, or None for defaults.
+    """
+    cfg = load_config(config, overrides)
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank {rank} is outside world size {world_size}")
+    dims = parallel_dims(cfg, world_size)  # fails before any process group starts
+    backend = resolve_backend(backend or cfg.launch.backend)
+    local_rank = rank if local_rank is None else local_rank
+
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        if cfg.launch.intra_op_threads > 0:
+            torch.set_num_threads(cfg.launch.intra_op_threads)
+
+    timeout = datetime.timedelta(seconds=cfg.comm.timeout_s)
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size or dist.get_rank() != rank:
+            raise RuntimeError(
+                f"a process group is already running as rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, not rank {rank} of {world_size}"
+            )
+    else:
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{host}:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+        )
+    comm.set_timeout(cfg.comm.timeout_s)
+    seed_all(cfg.seed)
+    ctx = ParallelContext(dims, device=device, seed=cfg.seed, config=cfg)
+    set_context(ctx)
+    return ctx
+
+
+def _env_int(env: Mapping[str, str], *names: str, launcher: str) -> int:
+    for name in names:
+        if name in env:
+            return int(env[name])
+    raise RuntimeError(
+        f"{' / '.join(names)} is not set: this process was not started by {launcher}"
+        + (" (use `tessera run --nproc-per-node N script.py`)" if launcher == "torchrun" else "")
+    )
+
+
+def launch_from_torch(
+    config: ConfigSource = None, *, backend: str | None = None, overrides: Sequence[str] = ()
+) -> ParallelContext:
+    """Launch from the environment torchrun (``tessera run``) sets: RANK, WORLD_SIZE,
+    LOCAL_RANK, MASTER_ADDR, MASTER_PORT."""
+    env = os.environ
+    cfg = load_config(config, overrides)  # a bad config is reported before anything else
+    return launch(
+        cfg,
+        rank=_env_int(env, "RANK", launcher="torchrun"),
+        world_size=_env_int(env, "WORLD_SIZE", launcher="torchrun"),
+        local_rank=_env_int(env, "LOCAL_RANK", launcher="torchrun"),
+        host=env.get("MASTER_ADDR", "127.0.0.1"),
+        port=env.get("MASTER_PORT", "29500"),
+        backend=backend,
+    )
+
+
+def launch_from_slurm(
+    config: ConfigSource, host: str, port: int | str, *, backend: str | None = None, overrides: Sequence[str] = ()
+) -> ParallelContext:
+    """Launch under ``srun``: rank, world size and local rank from SLURM_PROCID, SLURM_NTASKS
+    (or SLURM_NPROCS) and SLURM_LOCALID; ``host`` is the first node of the allocation."""
+    env = os.environ
+    cfg = load_config(config, overrides)
+    return launch(
+        cfg,
+        rank=_env_int(env, "SLURM_PROCID", launcher="Slurm (srun)"),
+        world_size=_env_int(env, "SLURM_NTASKS", "SLURM_NPROCS", launcher="Slurm (srun)"),
+        local_rank=_env_int(env, "SLURM_LOCALID", launcher="Slurm (srun)"),
+        host=host,
+        port=port,
+        backend=backend,
+    )
+
+
+def launch_from_openmpi(
+    config: ConfigSource, host: str, port: int | str, *, backend: str | None = None, overrides: Sequence[str] = ()
+) -> ParallelContext:
+    """Launch under ``mpirun`` (OpenMPI): OMPI_COMM_WORLD_RANK, _SIZE and _LOCAL_RANK."""
+    env = os.environ
+    cfg = load_config(config, overrides)
+    return launch(
+        cfg,
+        rank=_env_int(env, "OMPI_COMM_WORLD_RANK", launcher="OpenMPI (mpirun)"),
+        world_size=_env_int(env, "OMPI_COMM_WORLD_SIZE", launcher="OpenMPI (mpirun)"),
+        local_rank=_env_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", launcher="OpenMPI (mpirun)"),
+        host=host,
+        port=port,
+        backend=backend,
+    )
+
+
+def shutdown() -> None:
+    """Leave the process group and forget the current context."""
+    set_context(None)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+__all__ = ["Config", "launch", "launch_from_openmpi", "launch_from_slurm", "launch_from_torch", "shutdown"]

@@ -1,0 +1,36 @@
+"""Helpers for testing parallel code: rank pools and cached layouts inside them."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from tessera.context import ParallelContext, ParallelDims, set_context
+from tessera.testing.pool import PoolSet, RankFailure, RankPool, free_port
+
+_contexts: dict[ParallelDims, ParallelContext] = {}
+
+
+def use_layout(
+    *,
+    data: int | None = None,
+    pipeline: int = 1,
+    sequence: int = 1,
+    tensor: int = 1,
+    mode: str = "1d",
+    depth: int = 1,
+    seed: int = 42,
+) -> ParallelContext:
+    """Make a context for this layout current on this rank (built once per pool, then reused).
+
+    Collective the first time: every rank of the pool must ask for the same layout.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    dims = ParallelDims(world, data, pipeline, sequence, tensor, mode, depth)
+    if dims not in _contexts:
+        _contexts[dims] = ParallelContext(dims, seed=seed)
+    ctx = _contexts[dims]
+    set_context(ctx)
+    return ctx
+
+
+__all__ = ["PoolSet", "RankFailure", "RankPool", "free_port", "use_layout"]
