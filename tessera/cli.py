@@ -10,7 +10,6 @@ from collections.abc import Sequence
 
 from tessera.errors import TesseraError
 
-
 RUN_USAGE = "usage: tessera run --nproc-per-node N [torchrun options] script.py [args]"
 
 
