@@ -148,10 +148,16 @@ def launch_from_openmpi(
 
 
 def shutdown() -> None:
-    """Leave the process group and forget the current context."""
-    set_context(None)
+    """Leave the process group and forget the current context.
+
+    Collective: every rank waits for the others first, because a gloo process that tears its
+    connections down while a peer still uses them aborts the peer.
+    """
     if dist.is_initialized():
+        comm.barrier(comm.AxisGroup("world", tuple(range(dist.get_world_size())), dist.get_rank(), dist.group.WORLD))
+        set_context(None)
         dist.destroy_process_group()
+    set_context(None)
 
 
 __all__ = ["Config", "launch", "launch_from_openmpi", "launch_from_slurm", "launch_from_torch", "shutdown"]
