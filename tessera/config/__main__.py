@@ -1,0 +1,10 @@
+"""``python -m tessera.config docs/config.md``: regenerate the field reference in the docs."""
+
+import sys
+from pathlib import Path
+
+from tessera.config.reference import render_docs
+
+target = Path(sys.argv[1])
+target.write_text(render_docs(target.read_text()))
+print(f"wrote the config reference into {target}")

@@ -1,0 +1,219 @@
+"""The config schema: one frozen dataclass per section, each field with its type, default and
+documentation, and a ``validate`` method for the rules between fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from tessera.context.dims import check_tensor_layout
+from tessera.errors import ConfigError
+
+
+def _field(default: Any, doc: str) -> Any:
+    return field(default=default, metadata={"doc": doc})
+
+
+def _section(cls: type, doc: str) -> Any:
+    return field(default_factory=cls, metadata={"doc": doc})
+
+
+# ---- sections ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorConfig:
+    size: int = _field(1, "Ranks that share each layer's weights (the tensor axis).")
+    mode: Literal["1d", "2d", "2.5d", "3d"] = _field(
+        "1d", "Algorithm: 1d (Megatron), 2d (SUMMA, size q^2), 2.5d (Tesseract, size depth*q^2), 3d (size q^3)."
+    )
+    depth: int = _field(1, "Number of stacked q x q grids; 2.5d only.")
+    sequence_parallel: bool = _field(
+        False, "1d only: keep activations outside the tensor-parallel matmuls split along the sequence."
+    )
+
+    def validate(self, path: str) -> None:
+        check_tensor_layout(self.size, self.mode, self.depth)
+        if self.sequence_parallel and self.mode != "1d":
+            raise ConfigError(f"{path}sequence_parallel=True needs mode '1d' (mode is {self.mode!r})")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    size: int = _field(1, "Number of pipeline stages.")
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble"] = _field("1f1b", "Pipeline schedule.")
+    microbatches: int | None = _field(None, "Micro-batches per step; default: the number of stages.")
+    chunks: int = _field(1, "Model chunks per rank; more than 1 only with the interleaved schedule.")
+    partition: Literal["uniform", "parameters", "time", "explicit"] = _field(
+        "parameters",
+        "How layers are split into stages: equal layer counts, equal parameters, equal measured time, or `boundaries`.",
+    )
+    boundaries: list[int] | None = _field(
+        None, "First layer index of every stage but the first (partition='explicit')."
+    )
+
+    def validate(self, path: str) -> None:
+        if self.size < 1:
+            raise ConfigError(f"{path}size={self.size} must be at least 1")
+        if self.microbatches is not None and self.microbatches < 1:
+            raise ConfigError(f"{path}microbatches={self.microbatches} must be at least 1")
+        if self.chunks < 1:
+            raise ConfigError(f"{path}chunks={self.chunks} must be at least 1")
+        if self.schedule != "interleaved" and self.chunks != 1:
+            raise ConfigError(
+                f"{path}chunks={self.chunks} needs schedule='interleaved' (schedule is {self.schedule!r})"
+            )
+        micro = self.microbatches if self.microbatches is not None else self.size
+        if self.size > 1 and self.schedule != "gpipe" and micro < self.size:
+            raise ConfigError(
+                f"{path}microbatches={micro} is fewer than the {self.size} stages: schedule "
+                f"{self.schedule!r} needs at least one micro-batch per stage in flight (use >= {self.size}, or 'gpipe')"
+            )
+        if self.partition == "explicit":
+            want = self.size * self.chunks - 1
+            if self.boundaries is None or len(self.boundaries) != want:
+                raise ConfigError(f"{path}partition='explicit' needs boundaries: {want} increasing layer indices")
+            if list(self.boundaries) != sorted(set(self.boundaries)) or self.boundaries[0] < 1:
+                raise ConfigError(f"{path}boundaries={self.boundaries} must be strictly increasing and >= 1")
+        elif self.boundaries is not None:
+            raise ConfigError(f"{path}boundaries is only used with partition='explicit'")
+
+
+@dataclass(frozen=True)
+class SequenceConfig:
+    size: int = _field(1, "Ranks that split the sequence dimension (the sequence axis).")
+    mode: Literal["ring", "ring_attention", "ulysses"] = _field(
+        "ring", "ring self-attention, ring attention with online softmax, or all-to-all (Ulysses)."
+    )
+
+    def validate(self, path: str) -> None:
+        if self.size < 1:
+            raise ConfigError(f"{path}size={self.size} must be at least 1")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    data: int | None = _field(None, "Data-parallel degree; default: whatever the other axes leave of the world.")
+    pipeline: PipelineConfig = _section(PipelineConfig, "Pipeline parallelism (an int is taken as `size`).")
+    tensor: TensorConfig = _section(TensorConfig, "Tensor parallelism (an int is taken as `size`).")
+    sequence: SequenceConfig = _section(SequenceConfig, "Sequence parallelism (an int is taken as `size`).")
+
+    def validate(self, path: str) -> None:
+        if self.data is not None and self.data < 1:
+            raise ConfigError(f"{path}data={self.data} must be at least 1")
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    stage: int = _field(0, "0 (off), 1 (shard optimizer states), 2 (+ gradients), 3 (+ parameters).")
+    overlap_comm: bool = _field(True, "Overlap gradient reduction with the backward pass.")
+    bucket_mb: float = _field(25.0, "Size of a gradient-reduction bucket in MiB.")
+    offload_optimizer: Literal["none", "cpu"] = _field("none", "Keep optimizer states in host memory and step there.")
+
+    def validate(self, path: str) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise ConfigError(f"{path}stage={self.stage} is not a ZeRO stage; allowed: 0, 1, 2, 3")
+        if self.bucket_mb <= 0:
+            raise ConfigError(f"{path}bucket_mb={self.bucket_mb} must be positive")
+        if self.offload_optimizer != "none" and self.stage == 0:
+            raise ConfigError(f"{path}offload_optimizer={self.offload_optimizer!r} needs stage >= 1")
+
+
+@dataclass(frozen=True)
+class GeminiConfig:
+    enabled: bool = _field(False, "Manage model state in chunks placed on device, host memory or disk.")
+    placement: Literal["static", "auto"] = _field(
+        "auto", "static: fixed device share; auto: driven by the memory tracer."
+    )
+    chunk_mb: float = _field(32.0, "Chunk size in MiB.")
+    device_fraction: float = _field(1.0, "static placement: share of chunks kept on the device.")
+    disk_dir: str | None = _field(None, "Folder for chunks spilled to disk; None keeps everything in memory.")
+
+    def validate(self, path: str) -> None:
+        if self.chunk_mb <= 0:
+            raise ConfigError(f"{path}chunk_mb={self.chunk_mb} must be positive")
+        if not 0.0 <= self.device_fraction <= 1.0:
+            raise ConfigError(f"{path}device_fraction={self.device_fraction} must be within [0, 1]")
+
+
+@dataclass(frozen=True)
+class MixedPrecisionConfig:
+    dtype: Literal["fp32", "bf16", "fp16"] = _field("fp32", "Compute dtype; master weights stay fp32.")
+    loss_scale: float | Literal["dynamic"] = _field("dynamic", "fp16: 'dynamic' or a fixed scale.")
+    initial_scale: float = _field(2.0**16, "fp16 dynamic scaling: the first scale.")
+    growth_interval: int = _field(1000, "fp16 dynamic scaling: clean steps before the scale grows.")
+    growth_factor: float = _field(2.0, "fp16 dynamic scaling: factor of growth.")
+    backoff_factor: float = _field(0.5, "fp16 dynamic scaling: factor applied on overflow.")
+    min_scale: float = _field(1.0, "fp16 dynamic scaling: the scale never falls below this.")
+
+    def validate(self, path: str) -> None:
+        if isinstance(self.loss_scale, float) and self.loss_scale <= 0:
+            raise ConfigError(f"{path}loss_scale={self.loss_scale} must be positive")
+        if self.initial_scale <= 0 or self.min_scale <= 0:
+            raise ConfigError(f"{path}initial_scale and min_scale must be positive")
+        if self.growth_interval < 1:
+            raise ConfigError(f"{path}growth_interval={self.growth_interval} must be at least 1")
+        if self.growth_factor <= 1.0 or not 0.0 < self.backoff_factor < 1.0:
+            raise ConfigError(f"{path}growth_factor must be > 1 and backoff_factor within (0, 1)")
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    timeout_s: float = _field(
+        300.0, "Watchdog: a collective that does not finish in this time fails naming rank, op and axis."
+    )
+
+    def validate(self, path: str) -> None:
+        if self.timeout_s <= 0:
+            raise ConfigError(f"{path}timeout_s={self.timeout_s} must be positive")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    backend: Literal["auto", "gloo", "nccl"] = _field("auto", "auto: nccl when CUDA is present, else gloo.")
+    intra_op_threads: int = _field(1, "CPU only: intra-op threads per rank; 0 keeps torch's default.")
+
+    def validate(self, path: str) -> None:
+        if self.intra_op_threads < 0:
+            raise ConfigError(f"{path}intra_op_threads={self.intra_op_threads} must be >= 0")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    steps: int | None = _field(None, "Optimizer steps to train; None: `epochs` passes over the data.")
+    epochs: int = _field(1, "Passes over the training data when `steps` is None.")
+    log_every: int = _field(10, "Log metrics every this many steps.")
+    eval_every: int | None = _field(None, "Evaluate every this many steps; None: at the end of each epoch.")
+    checkpoint_every: int | None = _field(None, "Save a checkpoint every this many steps; None: only at the end.")
+    output_dir: str = _field("runs", "Folder under which each run writes its own folder.")
+    progress_bar: bool = _field(True, "Show a progress bar on rank 0.")
+
+    def validate(self, path: str) -> None:
+        for name in ("steps", "eval_every", "checkpoint_every"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{path}{name}={value} must be at least 1")
+        if self.epochs < 1 or self.log_every < 1:
+            raise ConfigError(f"{path}epochs and log_every must be at least 1")
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole configuration of a tessera run."""
+
+    parallel: ParallelConfig = _section(ParallelConfig, "The parallel layout.")
+    zero: ZeroConfig = _section(ZeroConfig, "ZeRO sharding of optimizer states, gradients and parameters.")
+    gemini: GeminiConfig = _section(GeminiConfig, "Chunk-based heterogeneous memory management.")
+    mixed_precision: MixedPrecisionConfig = _section(MixedPrecisionConfig, "Mixed precision and loss scaling.")
+    gradient_accumulation: int = _field(1, "Micro-batches accumulated per optimizer step.")
+    clip_grad_norm: float | None = _field(None, "Clip gradients to this global norm; None: no clipping.")
+    seed: int = _field(42, "Base random seed (every rank and axis stream derives from it).")
+    comm: CommConfig = _section(CommConfig, "Communication and its watchdog.")
+    launch: LaunchConfig = _section(LaunchConfig, "Process-group backend and threads.")
+    trainer: TrainerConfig = _section(TrainerConfig, "The Trainer's loop, logging and checkpoints.")
+
+    def validate(self, path: str) -> None:
+        if self.gradient_accumulation < 1:
+            raise ConfigError(f"gradient_accumulation={self.gradient_accumulation} must be at least 1")
+        if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
+            raise ConfigError(f"clip_grad_norm={self.clip_grad_norm} must be positive (or None)")
