@@ -3,6 +3,7 @@ woven into one system configured from a file."""
 
 from tessera.config import Config, load_config
 from tessera.context import ParallelContext, ParallelDims, get_context
+from tessera.engine import Engine, Trainer, initialize
 from tessera.errors import CommError, CommTimeoutError, ConfigError, NotAvailableError, TesseraError
 from tessera.launch import launch, launch_from_openmpi, launch_from_slurm, launch_from_torch, shutdown
 
@@ -12,6 +13,8 @@ __all__ = [
     "CommError",
     "CommTimeoutError",
     "Config",
+    "Engine",
+    "Trainer",
     "ConfigError",
     "NotAvailableError",
     "ParallelContext",
@@ -19,6 +22,7 @@ __all__ = [
     "TesseraError",
     "__version__",
     "get_context",
+    "initialize",
     "launch",
     "launch_from_openmpi",
     "launch_from_slurm",

@@ -155,6 +155,26 @@ def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum") -> torch.Ten
     return tensor
 
 
+def all_reduce_async(tensor: torch.Tensor, group: Group) -> torch.futures.Future[torch.Tensor]:
+    """Start a sum all-reduce of contiguous ``tensor`` in place; the future yields the tensor.
+
+    For callers that overlap the reduction with compute (DDP's gradient buckets). The wait
+    happens in the caller, so the process-group timeout (set from the same config value as the
+    watchdog) ends a hang here.
+    """
+    g = resolve(group)
+    if g.size == 1:
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(tensor)
+        return done
+    if not tensor.is_contiguous():
+        raise ValueError("all_reduce_async needs a contiguous tensor")
+    record("all_reduce", g.name, g.size, _nbytes(tensor))
+    work = dist.all_reduce(tensor, dist.ReduceOp.SUM, g.pg, async_op=True)
+    assert work is not None
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
 def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     """Concatenate every member's ``tensor`` along ``dim``: [.., n, ..] -> [.., P*n, ..].
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import torch.distributed as dist
 
+from tessera.config import load_config, parallel_dims
 from tessera.context import ParallelContext, ParallelDims, set_context
 from tessera.testing.pool import PoolSet, RankFailure, RankPool, free_port
 
@@ -19,16 +23,25 @@ def use_layout(
     mode: str = "1d",
     depth: int = 1,
     seed: int = 42,
+    config: Any = None,
 ) -> ParallelContext:
     """Make a context for this layout current on this rank (built once per pool, then reused).
 
-    Collective the first time: every rank of the pool must ask for the same layout.
+    Collective the first time: every rank of the pool must ask for the same layout. With
+    ``config`` (anything ``load_config`` takes) the returned context carries that config, as
+    one from ``tessera.launch`` does; its ``parallel`` section must describe the same layout.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     dims = ParallelDims(world, data, pipeline, sequence, tensor, mode, depth)
     if dims not in _contexts:
         _contexts[dims] = ParallelContext(dims, seed=seed)
     ctx = _contexts[dims]
+    if config is not None:
+        cfg = load_config(config)
+        if parallel_dims(cfg, world) != dims:
+            raise ValueError(f"config layout {parallel_dims(cfg, world)} differs from the requested {dims}")
+        ctx = copy.copy(ctx)  # the cached groups, with this config
+        ctx.config = cfg
     set_context(ctx)
     return ctx
 

@@ -1,0 +1,29 @@
+"""Layer 4: ``initialize``, ``Engine``, ``Trainer`` and its hooks."""
+
+from tessera.engine.engine import Engine
+from tessera.engine.hooks import (
+    CheckpointHook,
+    EvalHook,
+    Hook,
+    LogHook,
+    LRSchedulerHook,
+    MemoryHook,
+    ProgressBarHook,
+    ThroughputHook,
+)
+from tessera.engine.initialize import initialize
+from tessera.engine.trainer import Trainer
+
+__all__ = [
+    "CheckpointHook",
+    "Engine",
+    "EvalHook",
+    "Hook",
+    "LRSchedulerHook",
+    "LogHook",
+    "MemoryHook",
+    "ProgressBarHook",
+    "ThroughputHook",
+    "Trainer",
+    "initialize",
+]

@@ -1,0 +1,249 @@
+"""Trainer hooks: LR scheduling, throughput, memory, evaluation, checkpoints, logging, progress.
+
+Hooks run in order of ``priority`` (lower first) at each event, so the logging hooks, which
+run last, see the numbers the others added to ``trainer.metrics``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tessera.checkpoint import full_state_dict, save_weights
+from tessera.memory import model_state_bytes, peak_rss_bytes
+
+if TYPE_CHECKING:
+    from tessera.engine.trainer import Trainer
+
+
+class Hook:
+    """Base class: override the events you need."""
+
+    priority = 50
+
+    def before_fit(self, trainer: Trainer) -> None: ...
+    def before_epoch(self, trainer: Trainer) -> None: ...
+    def before_step(self, trainer: Trainer) -> None: ...
+    def after_step(self, trainer: Trainer) -> None: ...
+    def after_epoch(self, trainer: Trainer) -> None: ...
+    def after_fit(self, trainer: Trainer) -> None: ...
+
+
+def _is_rank0(trainer: Trainer) -> bool:
+    return trainer.engine.ctx.rank == 0
+
+
+class LRSchedulerHook(Hook):
+    """Steps an LR scheduler after every optimizer step that was taken; records ``lr``."""
+
+    priority = 10
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def before_step(self, trainer: Trainer) -> None:
+        trainer.metrics["lr"] = trainer.engine.optimizer.param_groups[0]["lr"]
+
+    def after_step(self, trainer: Trainer) -> None:
+        if not trainer.engine.last_step_skipped:
+            self.scheduler.step()
+
+
+class ThroughputHook(Hook):
+    """Adds ``step_time_s``, ``samples_per_s`` and (given ``tokens_per_sample``) ``tokens_per_s``
+    for the global batch: per-rank micro-batch x data-parallel ranks x accumulation steps."""
+
+    priority = 20
+
+    def __init__(self, tokens_per_sample: int | None = None) -> None:
+        self.tokens_per_sample = tokens_per_sample
+        self._start = 0.0
+
+    def before_step(self, trainer: Trainer) -> None:
+        self._start = time.perf_counter()
+
+    def after_step(self, trainer: Trainer) -> None:
+        elapsed = time.perf_counter() - self._start
+        loader = trainer.train_dataloader
+        micro = loader.batch_size if loader is not None and loader.batch_size else 0
+        samples = micro * trainer.engine.ctx.size("data") * trainer.engine.accumulation
+        trainer.metrics["step_time_s"] = elapsed
+        trainer.metrics["samples_per_s"] = samples / elapsed if elapsed > 0 else float("nan")
+        if self.tokens_per_sample is not None:
+            trainer.metrics["tokens_per_s"] = trainer.metrics["samples_per_s"] * self.tokens_per_sample
+
+
+class MemoryHook(Hook):
+    """Adds this rank's bytes of parameters, gradients and optimizer states, and its peak RSS."""
+
+    priority = 30
+
+    def __init__(self, every: int = 1) -> None:
+        self.every = every
+
+    def after_step(self, trainer: Trainer) -> None:
+        if trainer.step % self.every:
+            return
+        report = model_state_bytes(trainer.engine.module, trainer.engine.optimizer)
+        trainer.metrics.update(
+            param_bytes=report["parameters"],
+            grad_bytes=report["gradients"],
+            optimizer_bytes=report["optimizer_states"],
+            peak_rss_bytes=peak_rss_bytes(),
+        )
+
+
+Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | float]
+
+
+class EvalHook(Hook):
+    """Every ``every`` steps (and at the end) computes ``eval_loss`` and each named metric
+    ``fn(outputs, targets)`` over at most ``max_batches`` batches of the test loader, averaged
+    over batches and data-parallel ranks."""
+
+    priority = 40
+
+    def __init__(
+        self,
+        test_dataloader: Any = None,
+        *,
+        every: int | None = None,
+        max_batches: int | None = None,
+        metrics: dict[str, Metric] | None = None,
+    ) -> None:
+        self.loader = test_dataloader
+        self.every = every
+        self.max_batches = max_batches
+        self.metric_fns = metrics or {}
+        self.last: dict[str, float] = {}
+
+    def evaluate(self, trainer: Trainer) -> dict[str, float]:
+        engine = trainer.engine
+        loader = self.loader if self.loader is not None else trainer.test_dataloader
+        if loader is None:
+            return {}
+        engine.eval()
+        sums: dict[str, float] = {"eval_loss": 0.0, **{name: 0.0 for name in self.metric_fns}}
+        batches = 0
+        with torch.no_grad():
+            for i, (inputs, targets) in enumerate(loader):
+                if self.max_batches is not None and i >= self.max_batches:
+                    break
+                inputs, targets = inputs.to(engine.ctx.device), targets.to(engine.ctx.device)
+                outputs = engine(inputs)
+                sums["eval_loss"] += float(engine.criterion(outputs, targets))
+                for name, fn in self.metric_fns.items():
+                    sums[name] += float(fn(outputs, targets))
+                batches += 1
+        engine.train()
+        if batches == 0:
+            return {}
+        self.last = {name: engine.mean_over_data(total / batches) for name, total in sums.items()}
+        return self.last
+
+    def after_step(self, trainer: Trainer) -> None:
+        if self.every and trainer.step % self.every == 0:
+            trainer.metrics.update(self.evaluate(trainer))
+
+    def after_fit(self, trainer: Trainer) -> None:
+        if not (self.every and trainer.step % self.every == 0):
+            trainer.metrics.update(self.evaluate(trainer))
+            if trainer.history:
+                trainer.history[-1].update(self.last)
+
+
+class CheckpointHook(Hook):
+    """Every ``every`` steps and at the end, rank 0 writes the full model weights atomically to
+    ``folder/step_{N}/model.safetensors`` (and ``folder/model.safetensors`` at the end)."""
+
+    priority = 60
+
+    def __init__(self, folder: str | Path, every: int | None = None) -> None:
+        self.folder = Path(folder)
+        self.every = every
+
+    def _save(self, trainer: Trainer, path: Path) -> None:
+        state = full_state_dict(trainer.engine.module)  # collective once layouts shard
+        if _is_rank0(trainer):
+            save_weights(state, path)
+
+    def after_step(self, trainer: Trainer) -> None:
+        if self.every and trainer.step % self.every == 0:
+            self._save(trainer, self.folder / f"step_{trainer.step}" / "model.safetensors")
+
+    def after_fit(self, trainer: Trainer) -> None:
+        self._save(trainer, self.folder / "model.safetensors")
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+class LogHook(Hook):
+    """Rank 0 prints the metrics every ``every`` steps and appends every step's metrics to a
+    JSON-lines file when ``jsonl`` is given."""
+
+    priority = 90
+
+    def __init__(self, every: int = 10, jsonl: str | Path | None = None, printer: Callable[[str], None] | None = None):
+        self.every = every
+        self.jsonl = Path(jsonl) if jsonl is not None else None
+        self.printer = printer or (lambda line: print(line, file=sys.stderr, flush=True))
+
+    def before_fit(self, trainer: Trainer) -> None:
+        if self.jsonl is not None and _is_rank0(trainer):
+            self.jsonl.parent.mkdir(parents=True, exist_ok=True)
+            self.jsonl.write_text("")
+
+    def _write(self, metrics: dict[str, Any]) -> None:
+        if self.jsonl is not None:
+            with self.jsonl.open("a") as f:
+                f.write(json.dumps(metrics) + "\n")
+
+    def after_step(self, trainer: Trainer) -> None:
+        if not _is_rank0(trainer):
+            return
+        self._write(trainer.metrics)
+        if trainer.step % self.every == 0 or trainer.step == 1:
+            shown = ("step", "loss", "eval_loss", "lr", "samples_per_s", "tokens_per_s", "peak_rss_bytes")
+            self.printer(" ".join(f"{k}={_fmt(trainer.metrics[k])}" for k in shown if k in trainer.metrics))
+
+    def after_fit(self, trainer: Trainer) -> None:
+        final = {k: v for k, v in trainer.metrics.items() if k.startswith("eval_") or k in ("step",)}
+        if _is_rank0(trainer) and any(k.startswith("eval_") for k in final):
+            self._write({"final": True, **final})
+            self.printer("final " + " ".join(f"{k}={_fmt(v)}" for k, v in final.items()))
+
+
+class ProgressBarHook(Hook):
+    """A tqdm progress bar on rank 0 with the loss in its postfix."""
+
+    priority = 95
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.bar: Any = None
+
+    def before_fit(self, trainer: Trainer) -> None:
+        if self.enabled and _is_rank0(trainer):
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=trainer.max_steps, desc="train", unit="step", dynamic_ncols=True)
+
+    def after_step(self, trainer: Trainer) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{trainer.metrics['loss']:.4f}", refresh=False)
+
+    def after_fit(self, trainer: Trainer) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

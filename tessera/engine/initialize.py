@@ -1,0 +1,53 @@
+"""``tessera.initialize``: apply the configured layout to a model, optimizer, loss and data."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from tessera.config import require_available
+from tessera.context import ParallelContext, get_context
+from tessera.engine.engine import Engine
+from tessera.parallel.data import distributed_loader, wrap_data_parallel
+
+
+def initialize(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    criterion: Callable[..., torch.Tensor] | None = None,
+    train_dataloader: DataLoader | None = None,
+    test_dataloader: DataLoader | None = None,
+    lr_scheduler: Any = None,
+    *,
+    ctx: ParallelContext | None = None,
+) -> tuple[Engine, DataLoader | None, DataLoader | None, Any]:
+    """Return ``(engine, train_dataloader, test_dataloader, lr_scheduler)`` for the current layout.
+
+    The model moves to the rank's device and is wrapped for data parallelism; the data loaders
+    are rebuilt so that each data-parallel rank reads its own samples (their ``batch_size``
+    stays the per-rank micro-batch). The optimizer must have been built over ``model``'s
+    parameters; the scheduler is returned unchanged (step it yourself or with the Trainer's
+    LR hook).
+    """
+    ctx = ctx or get_context()
+    if ctx.config is None:
+        raise ValueError("the parallel context has no config; build it with tessera.launch(...)")
+    config = ctx.config
+    require_available(config)
+    model_params = {id(p) for p in model.parameters()}
+    stray = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in model_params]
+    if stray:
+        raise ValueError(f"the optimizer holds {len(stray)} parameter(s) that are not the model's")
+    model.to(ctx.device)
+    wrapped = wrap_data_parallel(model, ctx.group("data"), ctx.device)
+    engine = Engine(wrapped, optimizer, criterion, ctx=ctx, config=config, module=model)
+    data_group = ctx.group("data")
+    if train_dataloader is not None:
+        train_dataloader = distributed_loader(train_dataloader, data_group, config.seed)
+    if test_dataloader is not None:
+        test_dataloader = distributed_loader(test_dataloader, data_group, config.seed)
+    return engine, train_dataloader, test_dataloader, lr_scheduler

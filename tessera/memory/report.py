@@ -1,0 +1,66 @@
+"""How many bytes of model state a rank holds, and its peak resident memory."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of distinct tensors (a tensor met twice, e.g. a tied weight, counts once)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for t in tensors:
+        key = (t.data_ptr(), t.numel() * t.element_size())
+        if key in seen:
+            continue
+        seen.add(key)
+        total += key[1]
+    return total
+
+
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """``{"parameters", "gradients", "optimizer_states", "total"}`` in bytes on this rank.
+
+    Optimizer states are every tensor the optimizer keeps per parameter (Adam's moments and
+    step counters, say).
+    """
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    states: list[torch.Tensor] = []
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            states.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    out = {
+        "parameters": _tensor_bytes(params),
+        "gradients": _tensor_bytes(grads),
+        "optimizer_states": _tensor_bytes(states),
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+_STATUS = Path("/proc/self/status")
+
+
+def peak_rss_bytes() -> int | None:
+    """Peak resident set size of this process (VmHWM), or None where /proc is missing."""
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset the peak RSS to the current RSS (Linux); returns whether it could."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True

@@ -1,0 +1,5 @@
+"""Reference models in plain PyTorch, for the parallel strategies to split and the tests to compare against."""
+
+from tessera.models.gpt import GPT, PRESETS, GPTConfig, gpt
+
+__all__ = ["GPT", "PRESETS", "GPTConfig", "gpt"]

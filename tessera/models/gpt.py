@@ -1,0 +1,177 @@
+"""A GPT-style decoder in plain PyTorch: the reference model that the parallel strategies split.
+
+Pre-norm transformer blocks (LayerNorm -> causal self-attention -> residual, LayerNorm -> MLP ->
+residual), learned position embeddings, GPT-2 initialisation and an output head tied to the
+token embedding. The ``gpt2*`` presets match the published GPT-2 sizes parameter for parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _field(default: Any, doc: str) -> Any:
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = _field(256, "Number of token ids; 256 for byte-level text.")
+    max_seq_len: int = _field(128, "Longest sequence the position embedding covers.")
+    d_model: int = _field(128, "Width of the residual stream.")
+    n_layers: int = _field(4, "Number of transformer blocks.")
+    n_heads: int = _field(4, "Attention heads per block; must divide d_model.")
+    d_ff: int | None = _field(None, "Hidden width of the MLP; None means 4 * d_model (see `ff_dim`).")
+    dropout: float = _field(0.0, "Dropout on embeddings, attention weights and residual branches (training only).")
+    tie_weights: bool = _field(True, "Share one matrix between the token embedding and the output head.")
+    layer_norm_eps: float = _field(1e-5, "Epsilon of every LayerNorm.")
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name}={getattr(self, name)} must be at least 1")
+        if self.d_ff is not None and self.d_ff < 1:
+            raise ValueError(f"GPTConfig.d_ff={self.d_ff} must be at least 1 (or None for 4 * d_model)")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"GPTConfig.d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout={self.dropout} must be in [0, 1)")
+        if self.layer_norm_eps <= 0:
+            raise ValueError(f"GPTConfig.layer_norm_eps={self.layer_norm_eps} must be positive")
+
+    @property
+    def ff_dim(self) -> int:
+        """The MLP hidden width: ``d_ff``, or ``4 * d_model`` when ``d_ff`` is None.
+
+        Resolved here rather than stored so that overriding ``d_model`` also rescales the MLP."""
+        return self.d_ff if self.d_ff is not None else 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+PRESETS: dict[str, GPTConfig] = {
+    # Byte-level sizes that train in seconds on a laptop CPU.
+    "tiny": GPTConfig(vocab_size=256, max_seq_len=128, d_model=128, n_layers=4, n_heads=4),
+    "small": GPTConfig(vocab_size=256, max_seq_len=256, d_model=256, n_layers=6, n_heads=8),
+    # The GPT-2 family (Radford et al. 2019): 124M, 355M, 774M and 1.5B parameters.
+    "gpt2": GPTConfig(vocab_size=50257, max_seq_len=1024, d_model=768, n_layers=12, n_heads=12),
+    "gpt2-medium": GPTConfig(vocab_size=50257, max_seq_len=1024, d_model=1024, n_layers=24, n_heads=16),
+    "gpt2-large": GPTConfig(vocab_size=50257, max_seq_len=1024, d_model=1280, n_layers=36, n_heads=20),
+    "gpt2-xl": GPTConfig(vocab_size=50257, max_seq_len=1024, d_model=1600, n_layers=48, n_heads=25),
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.out = nn.Linear(config.d_model, config.d_model)
+        self.out_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[batch, seq, d_model] -> [batch, seq, d_model]."""
+        batch, seq, d_model = x.shape
+        # [batch, seq, 3 * d_model] -> three [batch, heads, seq, head_dim]
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.n_heads, d_model // self.n_heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return self.out_dropout(self.out(y.transpose(1, 2).reshape(batch, seq, d_model)))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.d_model, config.ff_dim)
+        self.act = nn.GELU()
+        self.proj = nn.Linear(config.ff_dim, config.d_model)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[batch, seq, d_model] -> [batch, seq, d_model]."""
+        return self.dropout(self.proj(self.act(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[batch, seq, d_model] -> [batch, seq, d_model]."""
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only language model: token ids [batch, seq] -> next-token logits [batch, seq, vocab]."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model)
+        self.dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.ln_f = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_weights:
+            self.lm_head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        # GPT-2: scale the projections that write into the residual stream by 1/sqrt(2 * n_layers),
+        # so the stream's variance does not grow with depth (two residual branches per block).
+        residual_std = 0.02 / math.sqrt(2 * config.n_layers)
+        for block in self.blocks:
+            assert isinstance(block, Block)
+            nn.init.normal_(block.attn.out.weight, mean=0.0, std=residual_std)
+            nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=residual_std)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids [batch, seq] (int64, seq <= max_seq_len) -> logits [batch, seq, vocab_size]."""
+        seq = idx.shape[1]
+        if seq > self.config.max_seq_len:
+            raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.config.max_seq_len}")
+        positions = torch.arange(seq, device=idx.device)
+        x = self.dropout(self.tok_emb(idx) + self.pos_emb(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def num_parameters(self) -> int:
+        """Number of parameter elements, counting a tied (shared) weight once."""
+        unique = {id(p): p for p in self.parameters()}
+        return sum(p.numel() for p in unique.values())
+
+
+def gpt(preset: str = "tiny", **overrides: Any) -> GPT:
+    """Build a GPT from a preset name, replacing config fields with ``overrides``.
+
+    ``gpt("tiny", n_layers=2)``; unknown presets and unknown fields raise ValueError naming them."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown GPT preset {preset!r}; presets: {', '.join(PRESETS)}")
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"unknown GPTConfig field(s) {', '.join(unknown)}; fields: {', '.join(sorted(fields))}")
+    return GPT(dataclasses.replace(PRESETS[preset], **overrides))

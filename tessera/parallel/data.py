@@ -1,0 +1,81 @@
+"""Data parallelism: torch DDP with its gradient buckets reduced through ``tessera.comm`` (so the
+comm ledger counts them), and data loaders that give each data-parallel rank its own samples."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+from tessera import comm
+from tessera.comm import AxisGroup
+from tessera.errors import ConfigError
+
+
+def _bucket_all_reduce_hook(group: AxisGroup, bucket):  # type: ignore[no-untyped-def]
+    """DDP comm hook: average a gradient bucket over the data axis (divide, then sum).
+
+    ``bucket`` is a ``dist.GradBucket``; it is left unannotated because DDP checks the
+    annotation object itself and this module's annotations are strings.
+    """
+    return comm.all_reduce_async(bucket.buffer().div_(group.size), group)
+
+
+def wrap_data_parallel(model: nn.Module, group: AxisGroup, device: torch.device, **ddp_options: Any) -> nn.Module:
+    """Wrap ``model`` in DDP over ``group`` (returned unchanged when the group has one rank).
+
+    DDP keeps its bucketing and overlap of reduction with the backward pass; only the bucket
+    all-reduce is routed through ``tessera.comm``. Its one-off broadcast of the initial weights
+    and (with ``broadcast_buffers``) of buffers go through DDP itself and are not in the ledger.
+    """
+    if group.size == 1:
+        return model
+    device_ids = [device.index] if device.type == "cuda" else None
+    ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=group.pg, **ddp_options)
+    ddp.register_comm_hook(group, _bucket_all_reduce_hook)
+    return ddp
+
+
+def distributed_loader(loader: DataLoader, group: AxisGroup, seed: int) -> DataLoader:
+    """The same loader, but each rank of ``group`` reads its own 1/P of the samples.
+
+    ``batch_size`` stays per rank (a micro-batch); shuffling, when the loader shuffled, uses the
+    same permutation on every rank (``seed`` + epoch; call ``loader.sampler.set_epoch``).
+    """
+    if loader.batch_size is None:
+        raise ConfigError("data loaders with a custom batch_sampler are not supported; pass batch_size= instead")
+    dataset = loader.dataset
+    try:
+        n = len(dataset)  # type: ignore[arg-type]
+    except TypeError as exc:
+        raise ConfigError("data loaders over iterable-style datasets are not supported yet") from exc
+    if n < group.size:
+        raise ConfigError(
+            f"the data loader has {n} samples, fewer than the {group.size} data-parallel ranks: "
+            "every rank needs at least one sample"
+        )
+    if group.size == 1:
+        return loader
+    sampler: DistributedSampler = DistributedSampler(
+        dataset,
+        num_replicas=group.size,
+        rank=group.rank,
+        shuffle=isinstance(loader.sampler, RandomSampler),
+        seed=seed,
+        drop_last=loader.drop_last,
+    )
+    return DataLoader(
+        dataset,
+        batch_size=loader.batch_size,
+        sampler=sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        persistent_workers=loader.persistent_workers if loader.num_workers > 0 else False,
+    )
