@@ -73,13 +73,27 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-BENCH_TARGETS: dict[str, str] = {}  # name -> "module:function"; each strategy adds its own
+BENCH_TARGETS: dict[str, str] = {  # name -> "module:function"; each strategy adds its own
+    "dp": "tessera.bench.dp:main",
+}
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from tessera.errors import NotAvailableError
+    """Validate the config here, then start the ranks of ``tessera.train`` through torchrun."""
+    from tessera.config import load_config, require_available
+    from tessera.train import default_run_dir
 
-    raise NotAvailableError("training is not available yet (the engine issue builds it)")
+    cfg = load_config(args.config, args.set)  # a bad config fails before any process starts
+    require_available(cfg)
+    nproc = args.nproc or cfg.launch.nproc_per_node
+    run_dir = args.output_dir or str(default_run_dir(cfg))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    argv = ["--standalone", "--nproc-per-node", str(nproc), "-m", "tessera.train", "--run-dir", run_dir]
+    if args.config is not None:
+        argv.append(str(args.config))
+    for item in args.set:
+        argv += ["--set", item]
+    return run_torchrun(argv)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -121,8 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a config value, e.g. --set parallel.data=2",
     )
-    train.add_argument("--nproc", type=int, default=None, help="local processes (default: from the config, else 4)")
-    train.add_argument("--output-dir", default=None, help="where the run folder goes")
+    train.add_argument("--nproc", type=int, default=None, help="local processes (default: launch.nproc_per_node, 4)")
+    train.add_argument("--output-dir", default=None, help="the run folder (default: trainer.output_dir/<time>-<model>)")
     train.set_defaults(func=_cmd_train)
 
     check = sub.add_parser("check", help="print the environment and run a 2-rank all-reduce")
@@ -131,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks against the anchor systems, measured in the same run")
     bench.add_argument("target", help="what to measure")
     bench.add_argument("--out", default=None, help="write the rows as JSON to this file")
+    bench.add_argument("--ranks", type=int, default=None, help="world size (default: the benchmark's own)")
     bench.set_defaults(func=_cmd_bench)
     return parser
 

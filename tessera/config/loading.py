@@ -35,6 +35,9 @@ def type_name(tp: Any) -> str:
         return " | ".join(type_name(a) for a in typing.get_args(tp))
     if origin is list:
         return f"list[{type_name(typing.get_args(tp)[0])}]"
+    if origin is dict:
+        key, value = typing.get_args(tp)
+        return f"dict[{type_name(key)}, {type_name(value)}]"
     if tp is type(None):
         return "None"
     return getattr(tp, "__name__", str(tp))
@@ -61,6 +64,13 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(f"{path} must be a list, got {value!r}")
         (item,) = typing.get_args(tp)
         return [_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path} must be a mapping, got {value!r}")
+        key_type, value_type = typing.get_args(tp)
+        return {
+            _convert(key_type, k, f"{path}.<key>"): _convert(value_type, v, f"{path}.{k}") for k, v in value.items()
+        }
     if tp is type(None):
         if value is None:
             return None

@@ -32,7 +32,8 @@ def reference_markdown() -> str:
                 nested.append((f, tp))
                 continue
             type_cell = type_name(tp).replace("|", "\\|")
-            lines.append(f"| `{prefix}{f.name}` | `{type_cell}` | `{f.default!r}` | {f.metadata['doc']} |")
+            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            lines.append(f"| `{prefix}{f.name}` | `{type_cell}` | `{default!r}` | {f.metadata['doc']} |")
         lines.append("")
         for f, tp in nested:
             table(tp, f"{prefix}{f.name}.", f.metadata["doc"])  # type: ignore[arg-type]

@@ -14,6 +14,10 @@ def _field(default: Any, doc: str) -> Any:
     return field(default=default, metadata={"doc": doc})
 
 
+def _field_factory(factory: Any, doc: str) -> Any:
+    return field(default_factory=factory, metadata={"doc": doc})
+
+
 def _section(cls: type, doc: str) -> Any:
     return field(default_factory=cls, metadata={"doc": doc})
 
@@ -172,29 +176,89 @@ class CommConfig:
 class LaunchConfig:
     backend: Literal["auto", "gloo", "nccl"] = _field("auto", "auto: nccl when CUDA is present, else gloo.")
     intra_op_threads: int = _field(1, "CPU only: intra-op threads per rank; 0 keeps torch's default.")
+    nproc_per_node: int = _field(4, "Processes `tessera train` starts on this machine.")
 
     def validate(self, path: str) -> None:
         if self.intra_op_threads < 0:
             raise ConfigError(f"{path}intra_op_threads={self.intra_op_threads} must be >= 0")
+        if self.nproc_per_node < 1:
+            raise ConfigError(f"{path}nproc_per_node={self.nproc_per_node} must be at least 1")
 
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    steps: int | None = _field(None, "Optimizer steps to train; None: `epochs` passes over the data.")
+    steps: int | None = _field(250, "Optimizer steps to train; None: `epochs` passes over the data.")
     epochs: int = _field(1, "Passes over the training data when `steps` is None.")
-    log_every: int = _field(10, "Log metrics every this many steps.")
-    eval_every: int | None = _field(None, "Evaluate every this many steps; None: at the end of each epoch.")
+    log_every: int = _field(25, "Print metrics every this many steps (the JSONL file gets every step).")
+    eval_every: int | None = _field(50, "Evaluate every this many steps; None: only at the end.")
+    eval_batches: int | None = _field(10, "Micro-batches per rank in one evaluation; None: the whole test set.")
     checkpoint_every: int | None = _field(None, "Save a checkpoint every this many steps; None: only at the end.")
     output_dir: str = _field("runs", "Folder under which each run writes its own folder.")
     progress_bar: bool = _field(True, "Show a progress bar on rank 0.")
 
     def validate(self, path: str) -> None:
-        for name in ("steps", "eval_every", "checkpoint_every"):
+        for name in ("steps", "eval_every", "eval_batches", "checkpoint_every"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{path}{name}={value} must be at least 1")
         if self.epochs < 1 or self.log_every < 1:
             raise ConfigError(f"{path}epochs and log_every must be at least 1")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: Literal["gpt"] = _field("gpt", "Reference model family (tessera.models).")
+    preset: str = _field("tiny", "Size preset: tiny, small, gpt2, gpt2-medium, gpt2-large, gpt2-xl.")
+    options: dict[str, Any] = _field_factory(dict, "Overrides of the preset's fields, e.g. dict(dropout=0.1).")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    name: Literal["python_bytes"] = _field(
+        "python_bytes", "Byte-level text of the Python standard library's source (no download)."
+    )
+    seq_len: int | None = _field(None, "Tokens per sample; None: the model's max_seq_len.")
+    micro_batch_size: int = _field(16, "Samples per rank per micro-step (global batch = this x data x accumulation).")
+    max_bytes: int = _field(4 * 2**20, "Bytes of corpus to read.")
+    eval_fraction: float = _field(0.05, "Share of the corpus (its end) held out for evaluation.")
+    shuffle: bool = _field(True, "Shuffle the training samples each epoch (the same order on every rank).")
+
+    def validate(self, path: str) -> None:
+        if self.seq_len is not None and self.seq_len < 1:
+            raise ConfigError(f"{path}seq_len={self.seq_len} must be at least 1")
+        if self.micro_batch_size < 1 or self.max_bytes < 1:
+            raise ConfigError(f"{path}micro_batch_size and max_bytes must be at least 1")
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise ConfigError(f"{path}eval_fraction={self.eval_fraction} must be within (0, 1)")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    name: Literal["adamw", "adam", "sgd"] = _field("adamw", "Optimizer.")
+    lr: float = _field(2e-3, "Peak learning rate.")
+    weight_decay: float = _field(0.1, "Weight decay (decoupled for adamw).")
+    betas: list[float] = _field_factory(lambda: [0.9, 0.95], "Adam betas.")
+    eps: float = _field(1e-8, "Adam epsilon.")
+    momentum: float = _field(0.9, "SGD momentum.")
+
+    def validate(self, path: str) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"{path}lr={self.lr} must be positive")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"{path}betas={self.betas} must be two numbers within [0, 1)")
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    warmup_steps: int = _field(20, "Linear warm-up steps from 0 to the peak learning rate.")
+    decay: Literal["cosine", "linear", "constant"] = _field("cosine", "Decay after warm-up, down to min_lr_ratio x lr.")
+    min_lr_ratio: float = _field(0.1, "Final learning rate as a share of the peak.")
+
+    def validate(self, path: str) -> None:
+        if self.warmup_steps < 0:
+            raise ConfigError(f"{path}warmup_steps={self.warmup_steps} must be >= 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"{path}min_lr_ratio={self.min_lr_ratio} must be within [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -211,6 +275,10 @@ class Config:
     comm: CommConfig = _section(CommConfig, "Communication and its watchdog.")
     launch: LaunchConfig = _section(LaunchConfig, "Process-group backend and threads.")
     trainer: TrainerConfig = _section(TrainerConfig, "The Trainer's loop, logging and checkpoints.")
+    model: ModelConfig = _section(ModelConfig, "The model `tessera train` builds.")
+    data: DataConfig = _section(DataConfig, "The data `tessera train` reads.")
+    optimizer: OptimizerConfig = _section(OptimizerConfig, "The optimizer `tessera train` builds.")
+    schedule: ScheduleConfig = _section(ScheduleConfig, "The learning-rate schedule of `tessera train`.")
 
     def validate(self, path: str) -> None:
         if self.gradient_accumulation < 1:

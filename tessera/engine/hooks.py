@@ -236,12 +236,12 @@ class ProgressBarHook(Hook):
         if self.enabled and _is_rank0(trainer):
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=trainer.max_steps, desc="train", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=trainer.max_steps, desc="train", unit="step", dynamic_ncols=True, mininterval=0.5)
 
     def after_step(self, trainer: Trainer) -> None:
         if self.bar is not None:
-            self.bar.update(1)
             self.bar.set_postfix(loss=f"{trainer.metrics['loss']:.4f}", refresh=False)
+            self.bar.update(1)
 
     def after_fit(self, trainer: Trainer) -> None:
         if self.bar is not None:

@@ -1,0 +1,40 @@
+"""`tessera train` as a user runs it: a short run writes the four artefacts of a run folder."""
+
+from __future__ import annotations
+
+import json
+
+from tessera.checkpoint import load_weights
+from tessera.models import gpt
+from tests.e2e.test_cli import run, tessera_cmd
+
+
+def test_a_short_training_run_writes_the_run_folder(tmp_path):
+    run_dir = tmp_path / "run"
+    out = run([*tessera_cmd(), "train", "--nproc", "2", "--output-dir", str(run_dir),
+               "--set", "trainer.steps=6", "--set", "trainer.eval_every=3", "--set", "trainer.log_every=3",
+               "--set", "data.max_bytes=200000", "--set", "data.micro_batch_size=4"], timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        "config.json",
+        "loss.png",
+        "metrics.jsonl",
+        "model.safetensors",
+    ]
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["world_size"] == 2 and config["trainer"]["steps"] == 6 and config["model"]["preset"] == "tiny"
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines if "final" not in m] == [1, 2, 3, 4, 5, 6]
+    assert "eval_loss" in lines[2] and "eval_loss" in lines[-1]
+    assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    weights = load_weights(run_dir / "model.safetensors")
+    assert weights.keys() == gpt("tiny").state_dict().keys()
+    assert "train: 100%" in out.stderr, "a progress bar on rank 0"
+    assert "loss" in out.stderr and "wrote" in out.stderr
+
+
+def test_train_rejects_a_bad_config_before_starting_processes():
+    out = run([*tessera_cmd(), "train", "--set", "paralel.data=2"], timeout=60)
+    assert out.returncode == 2 and "did you mean 'parallel'" in out.stderr
+    out = run([*tessera_cmd(), "train", "--set", "zero.stage=2"], timeout=60)
+    assert out.returncode == 2 and "zero.stage: ZeRO is not available yet" in out.stderr
