@@ -21,8 +21,8 @@ train: $(STAMP)
 	$(BIN)/tessera train
 
 lint: $(STAMP)
-	$(BIN)/ruff check tessera tests
-	$(BIN)/ruff format --check tessera tests
+	$(BIN)/ruff check tessera tests examples
+	$(BIN)/ruff format --check tessera tests examples
 	$(BIN)/mypy
 
 test: lint

@@ -69,7 +69,7 @@ def _rank_body(preset: str, micro_batch: int, seq_len: int, blocks: int, steps_p
 
 
 def run(
-    ranks: int = 4, preset: str = "tiny", micro_batch: int = 8, seq_len: int = 128, blocks: int = 8, steps: int = 5
+    ranks: int = 4, preset: str = "tiny", micro_batch: int = 8, seq_len: int = 128, blocks: int = 24, steps: int = 3
 ) -> list[Row]:
     from tessera.testing import RankPool
 

@@ -171,17 +171,23 @@ class Engine:
         """One optimizer step over ``gradient_accumulation`` micro-batches of ``(inputs, targets)``.
 
         Returns the loss averaged over the micro-batches and the data-parallel ranks: the loss of
-        the global batch, as one process would compute it.
+        the global batch, as one process would compute it. Its reduction starts as soon as the
+        last forward is done and overlaps the backward pass and the optimizer step.
         """
         self.zero_grad()
         total = torch.zeros((), device=self.ctx.device)
-        for _ in range(self.accumulation):
+        pending = None
+        for micro in range(self.accumulation):
             inputs, targets = _split_batch(_to_device(next(data_iter), self.ctx.device))
             loss = self.criterion(self(inputs), targets)
-            self.backward(loss)
             total = total + loss.detach().float()
+            if micro == self.accumulation - 1:
+                mean = (total / self.accumulation).reshape(1).clone()
+                pending = comm.all_reduce_async(mean, self.ctx.group("data"))
+            self.backward(loss)
             self.step()
-        return self.mean_over_data(total / self.accumulation)
+        assert pending is not None
+        return float(pending.wait()) / self.ctx.size("data")
 
     @torch.no_grad()
     def eval_batch(self, data_iter: Iterator[Any]) -> tuple[float, Any]:

@@ -57,8 +57,7 @@ def distributed_loader(loader: DataLoader, group: AxisGroup, seed: int) -> DataL
             f"the data loader has {n} samples, fewer than the {group.size} data-parallel ranks: "
             "every rank needs at least one sample"
         )
-    if group.size == 1:
-        return loader
+    # Rebuilt even on one rank, so that every layout shuffles alike and has sampler.set_epoch.
     sampler: DistributedSampler = DistributedSampler(
         dataset,
         num_replicas=group.size,

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from tessera.checkpoint import load_weights
 from tessera.models import gpt
+from tessera.testing import free_port
 from tests.e2e.test_cli import run, tessera_cmd
 
 
@@ -38,3 +40,12 @@ def test_train_rejects_a_bad_config_before_starting_processes():
     assert out.returncode == 2 and "did you mean 'parallel'" in out.stderr
     out = run([*tessera_cmd(), "train", "--set", "zero.stage=2"], timeout=60)
     assert out.returncode == 2 and "zero.stage: ZeRO is not available yet" in out.stderr
+
+
+def test_the_getting_started_example_runs_as_written(tmp_path):
+    repo = Path(__file__).resolve().parents[2]
+    out = run([*tessera_cmd(), "run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+               str(repo / "examples" / "my_train.py"), str(repo / "examples" / "my_config.py")], timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    epochs = [line.split()[0] for line in out.stdout.splitlines() if line[:1].isdigit()]
+    assert epochs == ["0", "1", "2"], out.stdout
