@@ -10,6 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from tessera.context import get_context
+from tessera.parallel.tensor.common import gather_full, local_shard, spec_of
+
 
 def _unwrap(model: nn.Module) -> nn.Module:
     """The user's module inside wrappers such as DDP."""
@@ -18,18 +21,52 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers under their state-dict keys (tied ones under each key)."""
+    keys = set(module.state_dict().keys())
+    named = dict(module.named_parameters(remove_duplicate=False))
+    named.update(module.named_buffers(remove_duplicate=False))
+    return {k: v for k, v in named.items() if k in keys}
+
+
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer of ``model`` as full CPU tensors under single-process keys.
 
-    Collective once layouts shard parameters (every rank must call it); with data parallelism
-    alone every rank returns the same dict.
+    Collective (every rank of the tensor group must call it): a sharded parameter is gathered
+    along the axes of its ``tessera_shard`` spec and its padding dropped. Every rank returns the
+    same dict.
     """
-    return {k: v.detach().to("cpu", copy=True) for k, v in _unwrap(model).state_dict().items()}
+    module = _unwrap(model)
+    out: dict[str, torch.Tensor] = {}
+    gathered: dict[int, torch.Tensor] = {}  # tied parameters are gathered once
+    for key, tensor in _named_tensors(module).items():
+        spec = spec_of(tensor)
+        if spec is None:
+            out[key] = tensor.detach().to("cpu", copy=True)
+            continue
+        if id(tensor) not in gathered:
+            gathered[id(tensor)] = gather_full(tensor.detach(), spec, get_context()).to("cpu", copy=True)
+        out[key] = gathered[id(tensor)]
+    return out
 
 
 def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy a full state dict (single-process keys) into ``model``; every key must match."""
-    _unwrap(model).load_state_dict(state, strict=True)
+    """Copy a full state dict (single-process keys) into ``model`` in any layout; every key of
+    the model must be present, and no other."""
+    module = _unwrap(model)
+    named = _named_tensors(module)
+    missing, unexpected = sorted(set(named) - set(state)), sorted(set(state) - set(named))
+    if missing or unexpected:
+        raise KeyError(f"state dict does not match the model: missing {missing}, unexpected {unexpected}")
+    with torch.no_grad():
+        for key, tensor in named.items():
+            full = state[key]
+            spec = spec_of(tensor)
+            if spec is not None:
+                full = local_shard(full.to(tensor.dtype), spec, get_context())
+            if tuple(full.shape) != tuple(tensor.shape):
+                raise ValueError(f"{key}: shape {tuple(full.shape)} does not fit {tuple(tensor.shape)}")
+            tensor.copy_(full)
 
 
 def save_weights(state: dict[str, torch.Tensor], path: str | Path) -> Path:

@@ -1,0 +1,132 @@
+"""Building blocks shared by every tensor-parallel mode: how a full tensor maps onto shards.
+
+A :class:`ShardSpec` says, for each dimension of a parameter (or activation), which mesh axes
+split it. A dimension split by axes ``(a, b)`` is cut into ``size(a) * size(b)`` equal blocks
+(after zero-padding it to a multiple of that count), and the rank holds block
+``index(a) * size(b) + index(b)``. A dimension may hold ``groups`` fused parts (the q, k and v
+projections of attention, say): each part is padded and split on its own, so every rank holds
+its block of every part, side by side.
+
+Parameters made by :func:`shard_parameter` carry their spec (``param.tessera_shard``) and the
+axes that split them (``param.tessera_sharded_along``), which is all that
+``tessera.checkpoint.full_state_dict`` and the global gradient norm need.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tessera import comm
+from tessera.context import ParallelContext
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    """``numerator / denominator``, which must be exact."""
+    if numerator % denominator != 0:
+        raise ValueError(f"{what}: {numerator} is not divisible by {denominator}")
+    return numerator // denominator
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How a tensor of ``full_shape`` is split: ``dims[d]`` are the axes splitting dimension ``d``
+    (outermost first; empty: not split), ``groups[d]`` the fused parts of dimension ``d``."""
+
+    full_shape: tuple[int, ...]
+    dims: tuple[tuple[str, ...], ...]
+    groups: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.dims) != len(self.full_shape):
+            raise ValueError(f"ShardSpec: {len(self.dims)} dim entries for shape {self.full_shape}")
+        if not self.groups:
+            object.__setattr__(self, "groups", (1,) * len(self.full_shape))
+        for size, g in zip(self.full_shape, self.groups, strict=True):
+            divide(size, g, "ShardSpec: fused parts of a dimension")
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Every axis that splits some dimension."""
+        return tuple(dict.fromkeys(a for axes in self.dims for a in axes))
+
+    def parts(self, dim: int, ctx: ParallelContext) -> int:
+        return math.prod(ctx.size(a) for a in self.dims[dim])
+
+    def index(self, dim: int, ctx: ParallelContext) -> int:
+        index = 0
+        for axis in self.dims[dim]:
+            index = index * ctx.size(axis) + ctx.local_rank(axis)
+        return index
+
+    def padded_size(self, dim: int, ctx: ParallelContext) -> int:
+        per_group = self.full_shape[dim] // self.groups[dim]
+        return self.groups[dim] * round_up(per_group, self.parts(dim, ctx))
+
+    def local_shape(self, ctx: ParallelContext) -> tuple[int, ...]:
+        return tuple(self.padded_size(d, ctx) // self.parts(d, ctx) for d in range(len(self.full_shape)))
+
+
+def local_shard(full: torch.Tensor, spec: ShardSpec, ctx: ParallelContext) -> torch.Tensor:
+    """This rank's block of ``full`` (zero-padded where a dimension does not divide)."""
+    if tuple(full.shape) != spec.full_shape:
+        raise ValueError(f"tensor of shape {tuple(full.shape)} does not match its spec {spec.full_shape}")
+    out = full
+    for dim, axes in enumerate(spec.dims):
+        if not axes:
+            continue
+        parts, index, groups = spec.parts(dim, ctx), spec.index(dim, ctx), spec.groups[dim]
+        per_group = out.shape[dim] // groups
+        padded = round_up(per_group, parts)
+        grouped = out.unflatten(dim, (groups, per_group))
+        if padded != per_group:
+            pad_shape = list(grouped.shape)
+            pad_shape[dim + 1] = padded - per_group
+            grouped = torch.cat([grouped, grouped.new_zeros(pad_shape)], dim=dim + 1)
+        block = padded // parts
+        out = grouped.narrow(dim + 1, index * block, block).flatten(dim, dim + 1)
+    return out.contiguous()
+
+
+def gather_full(local: torch.Tensor, spec: ShardSpec, ctx: ParallelContext) -> torch.Tensor:
+    """The full tensor from every rank's block (collective over the spec's axes), unpadded."""
+    out = local
+    for dim, axes in enumerate(spec.dims):
+        if not axes:
+            continue
+        groups = spec.groups[dim]
+        grouped = out.unflatten(dim, (groups, out.shape[dim] // groups))
+        for axis in reversed(axes):  # innermost first: blocks of an outer axis hold inner ones
+            grouped = comm.all_gather(grouped, ctx.group(axis), dim=dim + 1)
+        per_group = spec.full_shape[dim] // groups
+        out = grouped.narrow(dim + 1, 0, per_group).flatten(dim, dim + 1)
+    return out
+
+
+def shard_parameter(full: torch.Tensor, spec: ShardSpec, ctx: ParallelContext) -> nn.Parameter:
+    """A parameter holding this rank's block of ``full``, tagged with its spec."""
+    param = nn.Parameter(local_shard(full.detach(), spec, ctx))
+    param.tessera_shard = spec  # type: ignore[attr-defined]
+    param.tessera_sharded_along = spec.axes  # type: ignore[attr-defined]
+    return param
+
+
+def sharded_zeros_like_spec(spec: ShardSpec, ctx: ParallelContext, dtype: torch.dtype | None = None) -> nn.Parameter:
+    """An all-zero sharded parameter (biases)."""
+    return shard_parameter(torch.zeros(spec.full_shape, dtype=dtype), spec, ctx)
+
+
+def spec_of(tensor: torch.Tensor) -> ShardSpec | None:
+    return getattr(tensor, "tessera_shard", None)
+
+
+def axis_sizes(ctx: ParallelContext, axes: Sequence[str]) -> int:
+    return math.prod(ctx.size(a) for a in axes)
