@@ -24,7 +24,7 @@ def _unwrap(model: nn.Module) -> nn.Module:
 def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and persistent buffers under their state-dict keys (tied ones under each key)."""
     keys = set(module.state_dict().keys())
-    named = dict(module.named_parameters(remove_duplicate=False))
+    named: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
     named.update(module.named_buffers(remove_duplicate=False))
     return {k: v for k, v in named.items() if k in keys}
 

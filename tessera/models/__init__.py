@@ -2,5 +2,6 @@
 
 from tessera.models.gpt import GPT, PRESETS, GPTConfig, gpt
 from tessera.models.losses import NextTokenLoss
+from tessera.models.vit import ViT, ViTConfig, vit
 
-__all__ = ["GPT", "PRESETS", "GPTConfig", "NextTokenLoss", "gpt"]
+__all__ = ["GPT", "PRESETS", "GPTConfig", "NextTokenLoss", "ViT", "ViTConfig", "gpt", "vit"]

@@ -1,4 +1,4 @@
-"""A GPT-style decoder in plain PyTorch: the reference model that the parallel strategies split.
+"""A GPT-style decoder, the reference model that the parallel strategies split.
 
 Pre-norm transformer blocks (LayerNorm -> causal self-attention -> residual, LayerNorm -> MLP ->
 residual), learned position embeddings, GPT-2 initialisation and an output head tied to the
@@ -13,8 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from tessera import nn as tnn
+from tessera.checkpoint import load_full_state_dict
+from tessera.models.transformer import Block, gpt2_rule, init_full_state
 
 
 def _field(default: Any, doc: str) -> Any:
@@ -70,98 +73,51 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
-class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.n_heads = config.n_heads
-        self.dropout = config.dropout
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
-        self.out = nn.Linear(config.d_model, config.d_model)
-        self.out_dropout = nn.Dropout(config.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[batch, seq, d_model] -> [batch, seq, d_model]."""
-        batch, seq, d_model = x.shape
-        # [batch, seq, 3 * d_model] -> three [batch, heads, seq, head_dim]
-        q, k, v = self.qkv(x).view(batch, seq, 3, self.n_heads, d_model // self.n_heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        return self.out_dropout(self.out(y.transpose(1, 2).reshape(batch, seq, d_model)))
-
-
-class MLP(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.fc = nn.Linear(config.d_model, config.ff_dim)
-        self.act = nn.GELU()
-        self.proj = nn.Linear(config.ff_dim, config.d_model)
-        self.dropout = nn.Dropout(config.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[batch, seq, d_model] -> [batch, seq, d_model]."""
-        return self.dropout(self.proj(self.act(self.fc(x))))
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``."""
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.mlp = MLP(config)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[batch, seq, d_model] -> [batch, seq, d_model]."""
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
 class GPT(nn.Module):
-    """Decoder-only language model: token ids [batch, seq] -> next-token logits [batch, seq, vocab]."""
+    """Decoder-only language model: token ids [batch, seq] -> next-token logits [batch, seq, vocab].
+
+    Built from ``tessera.nn`` layers, so the same definition runs in every tensor-parallel mode;
+    there the logits are this rank's piece (split over the vocabulary and as the mode's layout
+    splits the batch), to be fed to ``tessera.nn.VocabParallelCrossEntropyLoss``. The initial
+    weights depend on the seed only, not on the layout.
+    """
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
-        self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model)
-        self.dropout = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
-        self.ln_f = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        if config.tie_weights:
-            self.lm_head.weight = self.tok_emb.weight
-        self.apply(self._init_weights)
-        # GPT-2: scale the projections that write into the residual stream by 1/sqrt(2 * n_layers),
-        # so the stream's variance does not grow with depth (two residual branches per block).
-        residual_std = 0.02 / math.sqrt(2 * config.n_layers)
-        for block in self.blocks:
-            assert isinstance(block, Block)
-            nn.init.normal_(block.attn.out.weight, mean=0.0, std=residual_std)
-            nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=residual_std)
+        self.tok_emb = tnn.VocabParallelEmbedding(config.vocab_size, config.d_model)
+        self.pos_emb = tnn.Embedding(config.max_seq_len, config.d_model)
+        self.dropout = tnn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(
+            Block(config.d_model, config.n_heads, config.ff_dim, config.dropout, config.layer_norm_eps, causal=True)
+            for _ in range(config.n_layers)
+        )
+        self.ln_f = tnn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        tied = self.tok_emb.weight if config.tie_weights else None
+        assert tied is None or isinstance(tied, nn.Parameter)
+        self.lm_head = tnn.VocabParallelClassifier(config.d_model, config.vocab_size, bias=False, weight=tied)
+        self.reset_parameters()
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+    def reset_parameters(self) -> None:
+        """GPT-2 initialisation, drawn in full and sharded, so every layout starts alike."""
+        load_full_state_dict(self, init_full_state(self, gpt2_rule(self.config.n_layers)))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids [batch, seq] (int64, seq <= max_seq_len) -> logits [batch, seq, vocab_size]."""
-        seq = idx.shape[1]
+        batch, seq = idx.shape
         if seq > self.config.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.config.max_seq_len}")
-        positions = torch.arange(seq, device=idx.device)
+        positions = torch.arange(seq, device=idx.device).expand(batch, seq)
         x = self.dropout(self.tok_emb(idx) + self.pos_emb(positions))
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
 
     def num_parameters(self) -> int:
-        """Number of parameter elements, counting a tied (shared) weight once."""
+        """Number of parameter elements of the full model, counting a tied (shared) weight once."""
         unique = {id(p): p for p in self.parameters()}
-        return sum(p.numel() for p in unique.values())
+        return sum(math.prod(p.tessera_shard.full_shape) if hasattr(p, "tessera_shard") else p.numel()
+                   for p in unique.values())  # fmt: skip
 
 
 def gpt(preset: str = "tiny", **overrides: Any) -> GPT:

@@ -29,3 +29,10 @@ class PatchEmbedding(nn.Module):
         x = x.flatten(2).transpose(1, 2)
         cls = self.cls_token.expand(x.shape[0], -1, -1)
         return torch.cat([cls, x], dim=1) + self.pos_embed
+
+
+class CrossEntropyLoss(nn.Module):
+    """Mean cross-entropy of logits ``[..., classes]`` against targets ``[...]`` (any leading shape)."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())

@@ -1,0 +1,104 @@
+"""The pre-norm transformer block shared by the GPT and the ViT, written once with ``tessera.nn``
+so that it runs in every tensor-parallel mode (plain torch layers when there is none)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera import nn as tnn
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention over this rank's heads: ``[b, s, h]`` in the mode's layout."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float, causal: bool) -> None:
+        super().__init__()
+        parts = tnn.hidden_parts()
+        if n_heads % parts:
+            raise ValueError(f"{n_heads} attention heads cannot be split into the {parts} hidden blocks of the layout")
+        self.head_dim = d_model // n_heads
+        self.dropout = dropout
+        self.causal = causal
+        self.qkv = tnn.Linear(d_model, 3 * d_model, out_groups=3)
+        self.out = tnn.Linear(d_model, d_model, input_is_parallel=True)
+        self.out_dropout = tnn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq = x.shape[0], x.shape[1]
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # each [b, s, local heads * head_dim]
+        heads = q.shape[-1] // self.head_dim
+        q, k, v = (t.reshape(batch, seq, heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        with tnn.split_region_rng():  # attention dropout on this rank's heads
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=self.causal
+            )
+        return self.out_dropout(self.out(y.transpose(1, 2).reshape(batch, seq, heads * self.head_dim)))
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int, ff_dim: int, dropout: float) -> None:
+        super().__init__()
+        self.fc = tnn.Linear(d_model, ff_dim)
+        self.act = nn.GELU()
+        self.proj = tnn.Linear(ff_dim, d_model, input_is_parallel=True)
+        self.dropout = tnn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(self.act(self.fc(x))))
+
+
+class Block(nn.Module):
+    """``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``."""
+
+    def __init__(self, d_model: int, n_heads: int, ff_dim: int, dropout: float, eps: float, causal: bool) -> None:
+        super().__init__()
+        self.ln_1 = tnn.LayerNorm(d_model, eps=eps)
+        self.attn = SelfAttention(d_model, n_heads, dropout, causal)
+        self.ln_2 = tnn.LayerNorm(d_model, eps=eps)
+        self.mlp = MLP(d_model, ff_dim, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+def full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """Single-process shape of a parameter (a sharded one reports its full shape)."""
+    spec = getattr(param, "tessera_shard", None)
+    return tuple(spec.full_shape) if spec is not None else tuple(param.shape)
+
+
+def init_full_state(module: nn.Module, rule: Callable[[str, tuple[int, ...]], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full initial tensors made by ``rule(name, full_shape)`` in parameter order: the same
+    values in every layout, since every rank draws them from the same seeded stream. A tied
+    parameter is drawn once, under its first name."""
+    drawn: dict[int, torch.Tensor] = {}
+    out = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) not in drawn:
+            drawn[id(param)] = rule(name, full_shape(param))
+        out[name] = drawn[id(param)]
+    return out
+
+
+def gpt2_rule(n_layers: int) -> Callable[[str, tuple[int, ...]], torch.Tensor]:
+    """GPT-2 initialisation by parameter name: N(0, 0.02) weights, residual projections scaled
+    by 1/sqrt(2 n_layers), zero biases, unit LayerNorm scales."""
+    residual_std = 0.02 / math.sqrt(2 * n_layers)
+
+    def rule(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        leaf = name.rsplit(".", 1)[-1]
+        owner = name.rsplit(".", 2)[-2] if name.count(".") else ""
+        if owner.startswith("ln") or owner == "norm":
+            return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
+        if leaf == "bias":
+            return torch.zeros(shape)
+        std = residual_std if name.endswith(("attn.out.weight", "mlp.proj.weight")) else 0.02
+        return torch.randn(shape) * std
+
+    return rule
