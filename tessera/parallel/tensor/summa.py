@@ -1,0 +1,332 @@
+"""SUMMA on a q x q grid: the building blocks shared by 2D (Optimus) and 2.5D (Tesseract).
+
+A matrix ``A [m, k]`` lives on the grid as blocks: rank ``(i, j)`` holds ``A_ij``, the block of
+rows ``i`` and columns ``j`` (sizes padded to a multiple of q). ``row`` is the group of the grid
+row through this rank (its members differ in ``j``; ``row.rank == j``), ``col`` the group of the
+grid column (``col.rank == i``). The three products take q steps each, step ``l`` moving one
+block along the row and/or the column:
+
+==========  ========================================  =========================================
+product     step ``l`` on rank ``(i, j)``             logical bytes per rank (fwd, q steps)
+==========  ========================================  =========================================
+C = A B     broadcast ``A_il`` on the row,            (q-1) (|A_ij| + |B_ij|)
+            ``B_lj`` on the column; C_ij += A_il B_lj
+C = A B^T   broadcast ``B_lj`` on the column;         (q-1) (|B_ij| + |C_ij|)
+            reduce A_ij B_lj^T onto ``(i, l)`` (row)
+C = A^T B   broadcast ``A_il`` on the row;            (q-1) (|A_ij| + |C_ij|)
+            reduce A_il^T B_ij onto ``(l, j)`` (col)
+==========  ========================================  =========================================
+
+Each product's backward is two of the others (``C = A B``: ``dA = dC B^T``, ``dB = A^T dC``),
+so every autograd function here re-broadcasts its saved local blocks instead of keeping the q
+received ones (the Optimus memory trade). 2.5D runs the same steps inside each of its ``depth``
+grids. The broadcasts are blocking: ``tessera.comm`` has no asynchronous broadcast and only it
+may call ``torch.distributed``, so the next step's broadcast does not yet overlap the current
+step's matmul (an ``ibroadcast`` in ``tessera.comm`` would let ``_broadcast_block`` run one step
+ahead).
+
+Besides the products: :class:`SummaGrid` (this rank's place in the grid(s)), the grid transpose
+(block ``(i, j)`` to ``(j, i)``), and splitting and gathering a ``[batch, (seq,) hidden]``
+activation, whose batch is split over the grid's rows (and grids) and hidden over its columns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tessera import comm
+from tessera.comm import AxisGroup
+from tessera.context import ParallelContext
+from tessera.parallel.tensor.common import round_up
+
+
+@dataclass(frozen=True)
+class SummaGrid:
+    """This rank's place in the q x q grid (and, in 2.5D, in the stack of ``depth`` grids).
+
+    Rank ``(k, i, j)``: grid ``k``, row ``i``, column ``j``; its index in the tensor group is
+    ``k*q*q + i*q + j``. ``dep`` (None in 2D) joins the ranks at the same ``(i, j)`` of every grid.
+    """
+
+    row: AxisGroup  # this grid row: members differ in j
+    col: AxisGroup  # this grid column: members differ in i
+    dep: AxisGroup | None  # same (i, j) across grids (2.5D)
+    tensor: AxisGroup
+
+    def __post_init__(self) -> None:
+        if self.row.size != self.col.size:
+            raise ValueError(f"SUMMA grid must be square: row {self.row.size} x column {self.col.size}")
+        if self.tensor.size != self.depth * self.q * self.q or self.tensor.rank != self.tensor_index(
+            self.k, self.i, self.j
+        ):
+            raise ValueError(f"tensor group {self.tensor} does not number the grid as k*q*q + i*q + j")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SummaGrid:
+        return self  # process groups are handles: a copied module shares them
+
+    @classmethod
+    def from_context(cls, ctx: ParallelContext, row: str, col: str, dep: str | None = None) -> SummaGrid:
+        return cls(ctx.group(row), ctx.group(col), ctx.group(dep) if dep else None, ctx.group("tensor"))
+
+    @property
+    def q(self) -> int:
+        return self.row.size
+
+    @property
+    def depth(self) -> int:
+        return 1 if self.dep is None else self.dep.size
+
+    @property
+    def i(self) -> int:
+        return self.col.rank
+
+    @property
+    def j(self) -> int:
+        return self.row.rank
+
+    @property
+    def k(self) -> int:
+        return 0 if self.dep is None else self.dep.rank
+
+    def tensor_index(self, k: int, i: int, j: int) -> int:
+        return (k * self.q + i) * self.q + j
+
+    @property
+    def batch_groups(self) -> tuple[AxisGroup, ...]:
+        """Groups splitting the batch, outermost first: block ``k*q + i`` of ``depth*q``."""
+        return (self.col,) if self.dep is None else (self.dep, self.col)
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        return tuple(g.name for g in self.batch_groups)
+
+    @property
+    def batch_parts(self) -> int:
+        return self.depth * self.q
+
+    @property
+    def batch_index(self) -> int:
+        return self.k * self.q + self.i
+
+    @property
+    def weight_replicas(self) -> tuple[AxisGroup, ...]:
+        """Groups over which a parameter split on the hidden dimension only is replicated: its
+        members see different batch blocks, so their gradient shares are summed."""
+        return self.batch_groups
+
+
+# ---- SUMMA products (no autograd) ----------------------------------------------------------
+
+
+def _broadcast_block(block: torch.Tensor, group: AxisGroup, src: int) -> torch.Tensor:
+    """Member ``src``'s block on every member of ``group`` (blocks have equal shapes)."""
+    if group.size == 1:
+        return block
+    if not block.is_contiguous() and block.dim() == 2 and block.t().is_contiguous():
+        return _broadcast_block(block.t(), group, src).t()  # a transposed weight goes as stored
+    block = block.contiguous()
+    buf = block if group.rank == src else torch.empty_like(block)
+    return comm.broadcast(buf, group, src)
+
+
+def summa_ab(a: torch.Tensor, b: torch.Tensor, row: AxisGroup, col: AxisGroup) -> torch.Tensor:
+    """``C = A B``: ``a`` is ``A_ij [m/q, k/q]``, ``b`` is ``B_ij [k/q, n/q]``; returns ``C_ij [m/q, n/q]``."""
+    out = a.new_zeros(a.shape[0], b.shape[1])
+    for step in range(row.size):
+        out.addmm_(_broadcast_block(a, row, step), _broadcast_block(b, col, step))
+    return out
+
+
+def summa_abt(a: torch.Tensor, b: torch.Tensor, row: AxisGroup, col: AxisGroup) -> torch.Tensor:
+    """``C = A B^T``: ``a`` is ``A_ij [m/q, k/q]``, ``b`` is ``B_ij [n/q, k/q]``; returns ``C_ij [m/q, n/q]``.
+
+    Step ``l``: ``A_ij B_lj^T`` is column ``j``'s share of ``C_il``, summed onto row member ``l``."""
+    out: torch.Tensor | None = None
+    for step in range(row.size):
+        part = a @ _broadcast_block(b, col, step).t()
+        part = comm.reduce(part, row, dst=step)
+        if row.rank == step:
+            out = part
+    assert out is not None
+    return out
+
+
+def summa_atb(a: torch.Tensor, b: torch.Tensor, row: AxisGroup, col: AxisGroup) -> torch.Tensor:
+    """``C = A^T B``: ``a`` is ``A_ij [k/q, m/q]``, ``b`` is ``B_ij [k/q, n/q]``; returns ``C_ij [m/q, n/q]``.
+
+    Step ``l``: ``A_il^T B_ij`` is row ``i``'s share of ``C_lj``, summed onto column member ``l``."""
+    out: torch.Tensor | None = None
+    for step in range(col.size):
+        part = _broadcast_block(a, row, step).t() @ b
+        part = comm.reduce(part, col, dst=step)
+        if col.rank == step:
+            out = part
+    assert out is not None
+    return out
+
+
+# ---- autograd ------------------------------------------------------------------------------
+
+
+class _MatmulAB(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, row: AxisGroup, col: AxisGroup) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        ctx.groups = (row, col)
+        return summa_ab(a, b, row, col)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+        a, b = ctx.saved_tensors
+        grad = grad.contiguous()
+        da = summa_abt(grad, b, *ctx.groups) if ctx.needs_input_grad[0] else None  # dA = dC B^T
+        db = summa_atb(a, grad, *ctx.groups) if ctx.needs_input_grad[1] else None  # dB = A^T dC
+        return da, db, None, None
+
+
+class _MatmulABT(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, row: AxisGroup, col: AxisGroup) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        ctx.groups = (row, col)
+        return summa_abt(a, b, row, col)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+        a, b = ctx.saved_tensors
+        grad = grad.contiguous()
+        da = summa_ab(grad, b, *ctx.groups) if ctx.needs_input_grad[0] else None  # dA = dC B
+        db = summa_atb(grad, a, *ctx.groups) if ctx.needs_input_grad[1] else None  # dB = dC^T A
+        return da, db, None, None
+
+
+class _MatmulATB(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, row: AxisGroup, col: AxisGroup) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        ctx.groups = (row, col)
+        return summa_atb(a, b, row, col)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+        a, b = ctx.saved_tensors
+        grad = grad.contiguous()
+        da = summa_abt(b, grad, *ctx.groups) if ctx.needs_input_grad[0] else None  # dA = B dC^T
+        db = summa_ab(a, grad, *ctx.groups) if ctx.needs_input_grad[1] else None  # dB = A dC
+        return da, db, None, None
+
+
+def matmul_ab(a: torch.Tensor, b: torch.Tensor, row: AxisGroup, col: AxisGroup) -> torch.Tensor:
+    """Differentiable :func:`summa_ab`: ``A_ij [m/q, k/q]``, ``B_ij [k/q, n/q]`` -> ``C_ij [m/q, n/q]``."""
+    return _MatmulAB.apply(a, b, row, col)
+
+
+def matmul_abt(a: torch.Tensor, b: torch.Tensor, row: AxisGroup, col: AxisGroup) -> torch.Tensor:
+    """Differentiable :func:`summa_abt`: ``A_ij [m/q, k/q]``, ``B_ij [n/q, k/q]`` -> ``C_ij [m/q, n/q]``."""
+    return _MatmulABT.apply(a, b, row, col)
+
+
+def matmul_atb(a: torch.Tensor, b: torch.Tensor, row: AxisGroup, col: AxisGroup) -> torch.Tensor:
+    """Differentiable :func:`summa_atb`: ``A_ij [k/q, m/q]``, ``B_ij [k/q, n/q]`` -> ``C_ij [m/q, n/q]``."""
+    return _MatmulATB.apply(a, b, row, col)
+
+
+# ---- grid transpose ------------------------------------------------------------------------
+
+
+def _swap_with_transposed(x: torch.Tensor, grid: SummaGrid) -> torch.Tensor:
+    if grid.i == grid.j:
+        return x
+    peer = grid.tensor_index(grid.k, grid.j, grid.i)
+    out = torch.empty_like(x)
+    comm.batch_p2p([comm.P2POp("send", x, grid.tensor, peer), comm.P2POp("recv", out, grid.tensor, peer)])
+    return out
+
+
+class _GridTranspose(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, grid: SummaGrid) -> torch.Tensor:
+        ctx.grid = grid
+        return _swap_with_transposed(x.contiguous(), grid).view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _swap_with_transposed(grad.contiguous(), ctx.grid), None
+
+
+def grid_transpose(x: torch.Tensor, grid: SummaGrid) -> torch.Tensor:
+    """Rank ``(k, i, j)`` gets the block rank ``(k, j, i)`` holds (same shape); the backward is the
+    same swap. Off-diagonal ranks send and receive one block each."""
+    return _GridTranspose.apply(x, grid)
+
+
+# ---- parameters replicated over part of the grid --------------------------------------------
+
+
+def sum_grad_over(x: torch.Tensor, *groups: AxisGroup | None) -> torch.Tensor:
+    """Identity forward; the gradient all-reduced over each group. For a tensor replicated over
+    those groups whose members each compute a share of its gradient (other batch blocks)."""
+    for group in groups:
+        if group is not None:
+            x = comm.copy_forward_all_reduce_backward(x, group)
+    return x
+
+
+def all_reduce_forward_backward(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """Sum over ``group`` forward and backward: for a statistic (a row sum of a split hidden
+    dimension) that every member then uses on its own block."""
+    return comm.copy_forward_all_reduce_backward(comm.all_reduce_forward_copy_backward(x, group), group)
+
+
+# ---- activation layout -----------------------------------------------------------------------
+
+
+def pad_dim(x: torch.Tensor, dim: int, multiple: int, value: float = 0.0) -> torch.Tensor:
+    """``x`` with dimension ``dim`` padded at the end with ``value`` to a multiple of ``multiple``."""
+    dim = dim % x.dim()
+    extra = round_up(x.shape[dim], multiple) - x.shape[dim]
+    if extra == 0:
+        return x
+    pad = [0, 0] * (x.dim() - dim - 1) + [0, extra]
+    return F.pad(x, pad, value=value)
+
+
+def grid_batch(x: torch.Tensor, grid: SummaGrid, pad_value: float = 0.0) -> torch.Tensor:
+    """The batch rows of this rank's grid: ``[B, ...]`` (full) -> ``[B'/depth, ...]`` (block
+    ``k``), with ``B'`` the batch padded with ``pad_value`` to a multiple of ``depth*q``."""
+    x = pad_dim(x, 0, grid.batch_parts, pad_value)
+    per_grid = x.shape[0] // grid.depth
+    return x.narrow(0, grid.k * per_grid, per_grid)
+
+
+def batch_block(x: torch.Tensor, grid: SummaGrid, pad_value: float = 0.0) -> torch.Tensor:
+    """This rank's batch block: ``[B, ...]`` (full) -> ``[B'/(depth*q), ...]`` (block ``k*q + i``).
+    For inputs that arrive full on every rank (token ids, images, targets)."""
+    x = pad_dim(x, 0, grid.batch_parts, pad_value)
+    per_rank = x.shape[0] // grid.batch_parts
+    return x.narrow(0, grid.batch_index * per_rank, per_rank)
+
+
+def split_activation(x: torch.Tensor, grid: SummaGrid) -> torch.Tensor:
+    """``[B, (S,) H]`` (full, same on every rank) -> ``[B'/(depth*q), (S,) H'/q]``: batch block
+    ``k*q + i``, hidden block ``j``, batch and hidden zero-padded to multiples of ``depth*q`` and
+    ``q``. Backward all-gathers, so the full input gets the full gradient on every rank."""
+    x = pad_dim(pad_dim(x, 0, grid.batch_parts), -1, grid.q)
+    for group in grid.batch_groups:
+        x = comm.split_forward_gather_backward(x, group, 0)
+    return comm.split_forward_gather_backward(x, grid.row, -1)
+
+
+def gather_activation(x: torch.Tensor, grid: SummaGrid, full_shape: Any = None) -> torch.Tensor:
+    """Inverse of :func:`split_activation` (collective over the tensor group): the full
+    activation on every rank, cut to ``full_shape`` (batch and last dim) when given."""
+    x = comm.gather_forward_split_backward(x, grid.row, -1)
+    for group in reversed(grid.batch_groups):  # innermost first
+        x = comm.gather_forward_split_backward(x, group, 0)
+    if full_shape is not None:
+        x = x.narrow(0, 0, full_shape[0]).narrow(-1, 0, full_shape[-1])
+    return x

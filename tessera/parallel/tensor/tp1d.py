@@ -1,0 +1,630 @@
+"""1D (Megatron) tensor parallelism over the ``tensor`` axis of P ranks.
+
+Layout. Activations ``[batch, seq, hidden]`` are full (replicated) on every rank of the tensor
+group, so ``hidden_parts(ctx) == 1``. Only the weights are split: a column-parallel linear
+(``Linear1D_Col``) keeps ``out/P`` output rows and returns ``[..., out/P]``; a row-parallel one
+(``Linear1D_Row``) keeps ``in/P`` input columns, takes ``[..., in/P]`` and all-reduces its output.
+A Col -> Row pair (an MLP, or attention with its heads split) costs one all-reduce of the
+activations forward and one backward.
+
+Sequence parallelism (Megatron-3, ``sequence_parallel=True``). Outside the Col -> Row region
+the activations are split along the sequence, ``[batch, seq/P, hidden]`` (``seq`` must be a
+multiple of P). Col all-gathers the sequence before its matmul (reduce-scatter backward) and Row
+reduce-scatters its output along the sequence instead of all-reducing it (all-gather backward):
+the same bytes as the all-reduce pair, with 1/P of the activation memory outside the region.
+Replicated parameters applied to sequence parts (LayerNorm, Row's bias) all-reduce their
+gradients over ``tensor`` in backward, so ``param.grad`` is the full gradient on every rank.
+
+Uneven sizes are zero-padded per ``ShardSpec`` (``common.py``); padded outputs stay zero, padded
+inputs are cut off before the matmul, so padded parameter entries get zero gradients.
+
+Gradient convention: a replicated tensor carries the full gradient on every rank (every rank
+computes the same loss); a split tensor carries the gradient of its part.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera import comm
+from tessera.comm import AxisGroup
+from tessera.context import ParallelContext, get_context
+from tessera.nn.plain import PatchEmbedding
+from tessera.parallel.tensor.common import ShardSpec, round_up, shard_parameter, spec_of
+
+TENSOR = "tensor"
+SEQ_DIM = 1  # the sequence dimension of [batch, seq, hidden] activations
+
+__all__ = [
+    "Classifier1D",
+    "CrossEntropyLoss1D",
+    "Dropout1D",
+    "Embedding1D",
+    "LayerNorm1D",
+    "Linear1D_Col",
+    "Linear1D_Row",
+    "PatchEmbedding1D",
+    "VocabParallelClassifier1D",
+    "VocabParallelCrossEntropyLoss1D",
+    "VocabParallelEmbedding1D",
+    "column_parallel_linear",
+    "gather_activation",
+    "gather_last_dim",
+    "hidden_parts",
+    "local_range",
+    "row_parallel_linear",
+    "split_activation",
+    "split_last_dim",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_embedding",
+]
+
+
+# ---- functional core -----------------------------------------------------------------------
+
+
+def _context(ctx: ParallelContext | None) -> ParallelContext:
+    return ctx if ctx is not None else get_context()
+
+
+def local_range(full: int, parts: int, index: int) -> tuple[int, int]:
+    """``(start, valid)``: block ``index`` of a size-``full`` dimension zero-padded to a multiple of
+    ``parts`` starts at ``start`` and holds ``valid`` real (unpadded) entries."""
+    block = round_up(full, parts) // parts
+    start = index * block
+    return start, max(0, min(block, full - start))
+
+
+def _check_sequence_split(x: torch.Tensor, parts: int, what: str) -> None:
+    if x.dim() < 3:
+        raise ValueError(
+            f"{what}: sequence parallelism needs [batch, seq, ...] activations, got shape {tuple(x.shape)}"
+        )
+    if x.shape[SEQ_DIM] % parts != 0:
+        raise ValueError(
+            f"{what}: sequence length {x.shape[SEQ_DIM]} is not divisible by the tensor-parallel size "
+            f"{parts}; sequence parallelism needs seq % P == 0"
+        )
+
+
+def gather_last_dim(x_local: torch.Tensor, group: AxisGroup, full_size: int, groups: int = 1) -> torch.Tensor:
+    """``[..., groups * L]`` (this rank's block of each of ``groups`` fused parts) ->
+    ``[..., full_size]`` on every rank, padding dropped. Backward keeps this rank's block."""
+    per_part = full_size // groups
+    parts = x_local.unflatten(-1, (groups, x_local.shape[-1] // groups))
+    gathered = comm.gather_forward_split_backward(parts, group, dim=-1)
+    if gathered.shape[-1] != per_part:
+        gathered = gathered.narrow(-1, 0, per_part)
+    return gathered.flatten(-2)
+
+
+def split_last_dim(x_full: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """``[..., n]`` replicated -> this rank's block ``[..., ceil(n/P)]`` (zero-padded); backward
+    all-gathers the gradient so the replicated input gets its full gradient."""
+    padded = round_up(x_full.shape[-1], group.size)
+    if padded != x_full.shape[-1]:
+        x_full = F.pad(x_full, (0, padded - x_full.shape[-1]))
+    return comm.split_forward_gather_backward(x_full, group, dim=-1)
+
+
+def column_parallel_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: AxisGroup,
+    *,
+    sequence_parallel: bool = False,
+) -> torch.Tensor:
+    """``x [..., in]`` (replicated; with ``sequence_parallel`` ``[b, s/P, in]``) times this rank's
+    rows ``weight [out/P, in]`` -> ``[..., out/P]`` (``[b, s, out/P]``).
+
+    Backward all-reduces the input gradient (sequence parallel: reduce-scatters it along seq).
+    """
+    if sequence_parallel:
+        _check_sequence_split(x, 1, "Linear1D_Col")
+        x = comm.all_gather_forward_reduce_scatter_backward(x, group, dim=SEQ_DIM)
+    else:
+        x = comm.copy_forward_all_reduce_backward(x, group)
+    return F.linear(x, weight, bias)
+
+
+def row_parallel_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: AxisGroup,
+    *,
+    valid_in: int | None = None,
+    sequence_parallel: bool = False,
+) -> torch.Tensor:
+    """``x [..., in/P]`` times this rank's columns ``weight [out, in/P]``, summed over the group ->
+    ``[..., out]`` replicated (with ``sequence_parallel`` reduce-scattered to ``[b, s/P, out]``).
+
+    ``valid_in``: the unpadded columns of this rank's block; padded ones are cut off, so whatever
+    the input holds there, the padded weight columns get no gradient. ``bias`` (replicated) is
+    added after the reduction.
+    """
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"row-parallel linear: input has {x.shape[-1]} features, the local weight {weight.shape[1]}")
+    if sequence_parallel:
+        _check_sequence_split(x, group.size, "Linear1D_Row")
+    if valid_in is not None and valid_in < weight.shape[1]:
+        x, weight = x.narrow(-1, 0, valid_in), weight.narrow(1, 0, valid_in)
+    partial = F.linear(x, weight)
+    if sequence_parallel:
+        y = comm.reduce_scatter_forward_all_gather_backward(partial, group, dim=SEQ_DIM)
+        if bias is not None:  # each rank adds it to its sequence part only: sum its gradient
+            bias = comm.copy_forward_all_reduce_backward(bias, group)
+    else:
+        y = comm.all_reduce_forward_copy_backward(partial, group)
+    return y if bias is None else y + bias
+
+
+def vocab_parallel_embedding(
+    ids: torch.Tensor,
+    weight: torch.Tensor,
+    group: AxisGroup,
+    vocab_start: int,
+    padding_idx: int | None = None,
+) -> torch.Tensor:
+    """Look ``ids [...]`` (full vocabulary indices) up in this rank's rows ``weight [V/P, D]``
+    starting at ``vocab_start``; ids of other ranks give zeros; all-reduce -> ``[..., D]``.
+    ``padding_idx`` is local to ``weight`` (None when it is not in this rank's rows)."""
+    if group.size == 1:
+        return F.embedding(ids, weight, padding_idx)
+    mine = (ids >= vocab_start) & (ids < vocab_start + weight.shape[0])
+    local = torch.where(mine, ids - vocab_start, torch.zeros_like(ids))
+    out = F.embedding(local, weight, padding_idx).masked_fill(~mine.unsqueeze(-1), 0.0)
+    return comm.all_reduce_forward_copy_backward(out, group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token CE of class-split logits: forward all-reduces the max, then the sum of exps
+    and the target logit together; backward is local: ``softmax - one_hot`` of this rank's part."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        group: AxisGroup,
+        class_start: int,
+        valid: int,
+    ) -> torch.Tensor:
+        local_classes = logits.shape[-1]
+        x = logits.float()
+        real = torch.arange(local_classes, device=x.device) < valid  # False on padded classes
+        local_max = x.masked_fill(~real, float("-inf")).amax(dim=-1)
+        global_max = comm.all_reduce(local_max, group, op="max")
+        shifted = x - global_max.unsqueeze(-1)
+        exp = shifted.exp().masked_fill(~real, 0.0)
+        local_target = targets - class_start
+        has_target = (local_target >= 0) & (local_target < valid)
+        index = torch.where(has_target, local_target, torch.zeros_like(local_target))
+        target_logit = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1).masked_fill(~has_target, 0.0)
+        sums = comm.all_reduce(torch.stack([exp.sum(dim=-1), target_logit]), group)
+        sum_exp, target_logit = sums[0], sums[1]
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), index, has_target)
+        ctx.logits_dtype = logits.dtype
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        softmax, index, has_target = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(-1, index.unsqueeze(-1), -has_target.to(grad.dtype).unsqueeze(-1))
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    group: AxisGroup,
+    num_classes: int,
+) -> torch.Tensor:
+    """Per-token cross entropy ``[N]`` of ``logits [N, C_local]`` (this rank's block of the
+    ``num_classes`` classes, padded ones ignored) against full ``targets [N]``; equal on every rank."""
+    start, valid = local_range(num_classes, group.size, group.rank)
+    if logits.shape[-1] != round_up(num_classes, group.size) // group.size:
+        raise ValueError(
+            f"vocab-parallel cross entropy: {logits.shape[-1]} local classes do not fit {num_classes} "
+            f"classes split {group.size} ways"
+        )
+    loss: torch.Tensor = _VocabParallelCrossEntropy.apply(logits, targets, group, start, valid)
+    return loss
+
+
+# ---- boundary helpers ----------------------------------------------------------------------
+
+
+def hidden_parts(ctx: ParallelContext | None = None) -> int:
+    """How many parts the hidden dimension of an activation is split into: 1 (it is whole)."""
+    return 1
+
+
+def split_activation(
+    x_full: torch.Tensor, ctx: ParallelContext | None = None, *, sequence_parallel: bool = False
+) -> torch.Tensor:
+    """The 1D layout of a full ``[b, s, h]`` activation: itself, or with ``sequence_parallel`` this
+    rank's ``[b, s/P, h]`` (backward all-gathers the gradient)."""
+    if not sequence_parallel:
+        return x_full
+    group = _context(ctx).group(TENSOR)
+    _check_sequence_split(x_full, group.size, "split_activation")
+    return comm.split_forward_gather_backward(x_full, group, dim=SEQ_DIM)
+
+
+def gather_activation(
+    x_local: torch.Tensor, ctx: ParallelContext | None = None, *, sequence_parallel: bool = False
+) -> torch.Tensor:
+    """The full ``[b, s, h]`` activation from the 1D layout (inverse of :func:`split_activation`)."""
+    if not sequence_parallel:
+        return x_local
+    return comm.gather_forward_split_backward(x_local, _context(ctx).group(TENSOR), dim=SEQ_DIM)
+
+
+def _check_tied(weight: nn.Parameter, expected: ShardSpec, owner: str) -> nn.Parameter:
+    spec = spec_of(weight)
+    if spec is None or spec.full_shape != expected.full_shape or spec.dims != expected.dims:
+        raise ValueError(f"{owner}: the tied weight has spec {spec}, expected one like {expected}")
+    return weight
+
+
+# ---- layers --------------------------------------------------------------------------------
+
+
+class Linear1D_Col(nn.Module):
+    """Column-parallel linear: ``weight [out, in]`` split on ``out`` (each of ``out_groups`` fused
+    parts split on its own). ``[..., in]`` -> ``[..., out/P]`` (the concatenation of this rank's
+    block of each part), or ``[..., out]`` with ``gather_output``. With ``sequence_parallel`` the
+    input is ``[b, s/P, in]`` and the output ``[b, s, out/P]``."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        gather_output: bool = False,
+        out_groups: int = 1,
+        sequence_parallel: bool = False,
+        ctx: ParallelContext | None = None,
+    ) -> None:
+        super().__init__()
+        self.ctx = _context(ctx)
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output, self.out_groups, self.sequence_parallel = gather_output, out_groups, sequence_parallel
+        plain = nn.Linear(in_features, out_features, bias=bias)
+        spec = ShardSpec((out_features, in_features), ((TENSOR,), ()), (out_groups, 1))
+        self.weight = shard_parameter(plain.weight, spec, self.ctx)
+        self.bias: nn.Parameter | None = None
+        if plain.bias is not None:
+            bias_spec = ShardSpec((out_features,), ((TENSOR,),), (out_groups,))
+            self.bias = shard_parameter(plain.bias, bias_spec, self.ctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self.ctx.group(TENSOR)
+        y = column_parallel_linear(x, self.weight, self.bias, group, sequence_parallel=self.sequence_parallel)
+        if self.gather_output:
+            y = gather_last_dim(y, group, self.out_features, self.out_groups)
+        return y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"out_groups={self.out_groups}, gather_output={self.gather_output}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class Linear1D_Row(nn.Module):
+    """Row-parallel linear: ``weight [out, in]`` split on ``in``, ``bias [out]`` replicated.
+    ``[..., in/P]`` (or ``[..., in]`` with ``input_is_parallel=False``) -> ``[..., out]`` summed
+    over the group; with ``sequence_parallel`` ``[b, s, in/P]`` -> ``[b, s/P, out]``."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        ctx: ParallelContext | None = None,
+    ) -> None:
+        super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("Linear1D_Row: sequence_parallel needs input_is_parallel=True (a Col layer's output)")
+        self.ctx = _context(ctx)
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        plain = nn.Linear(in_features, out_features, bias=bias)
+        spec = ShardSpec((out_features, in_features), ((), (TENSOR,)))
+        self.weight = shard_parameter(plain.weight, spec, self.ctx)
+        self.bias = plain.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self.ctx.group(TENSOR)
+        if not self.input_is_parallel:
+            x = split_last_dim(x, group)
+        _, valid = local_range(self.in_features, group.size, group.rank)
+        return row_parallel_linear(
+            x, self.weight, self.bias, group, valid_in=valid, sequence_parallel=self.sequence_parallel
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class LayerNorm1D(nn.Module):
+    """LayerNorm over the (whole) hidden dimension, replicated ``weight``/``bias``. With
+    ``sequence_parallel`` (input ``[b, s/P, h]``) their gradients are all-reduced over ``tensor``."""
+
+    def __init__(
+        self,
+        normalized_shape: int | list[int] | tuple[int, ...],
+        eps: float = 1e-5,
+        bias: bool = True,
+        *,
+        sequence_parallel: bool = False,
+        ctx: ParallelContext | None = None,
+    ) -> None:
+        super().__init__()
+        self.ctx = _context(ctx)
+        self.sequence_parallel = sequence_parallel
+        plain = nn.LayerNorm(normalized_shape, eps=eps, bias=bias)
+        self.normalized_shape, self.eps = plain.normalized_shape, eps
+        self.weight, self.bias = plain.weight, plain.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight: torch.Tensor = self.weight
+        bias: torch.Tensor | None = self.bias
+        if self.sequence_parallel:  # each rank normalised its sequence part only
+            group = self.ctx.group(TENSOR)
+            weight = comm.copy_forward_all_reduce_backward(weight, group)
+            bias = None if bias is None else comm.copy_forward_all_reduce_backward(bias, group)
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"
+
+
+class Embedding1D(nn.Module):
+    """Embedding with ``weight [num, dim]`` split on ``dim``: ``ids [...]`` -> ``[..., dim]``
+    replicated (each rank looks up its columns, then all-gather)."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        *,
+        ctx: ParallelContext | None = None,
+    ) -> None:
+        super().__init__()
+        self.ctx = _context(ctx)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        plain = nn.Embedding(num_embeddings, embedding_dim, padding_idx)
+        self.padding_idx = plain.padding_idx
+        spec = ShardSpec((num_embeddings, embedding_dim), ((), (TENSOR,)))
+        self.weight = shard_parameter(plain.weight, spec, self.ctx)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = F.embedding(ids, self.weight, self.padding_idx)
+        return gather_last_dim(local, self.ctx.group(TENSOR), self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}"
+
+
+class VocabParallelEmbedding1D(nn.Module):
+    """Embedding with ``weight [num, dim]`` split on ``num`` (padded when uneven): ``ids [...]`` ->
+    ``[..., dim]`` replicated (masked local lookup, then all-reduce)."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        *,
+        ctx: ParallelContext | None = None,
+    ) -> None:
+        super().__init__()
+        self.ctx = _context(ctx)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        plain = nn.Embedding(num_embeddings, embedding_dim, padding_idx)
+        self.padding_idx = plain.padding_idx
+        spec = ShardSpec((num_embeddings, embedding_dim), ((TENSOR,), ()))
+        self.weight = shard_parameter(plain.weight, spec, self.ctx)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        group = self.ctx.group(TENSOR)
+        start, valid = local_range(self.num_embeddings, group.size, group.rank)
+        local_pad = None
+        if self.padding_idx is not None and start <= self.padding_idx < start + valid:
+            local_pad = self.padding_idx - start
+        return vocab_parallel_embedding(ids, self.weight, group, start, local_pad)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}"
+
+
+class Classifier1D(nn.Module):
+    """Classifier head, row-parallel over ``in_features``: ``weight [classes, in]`` split on ``in``
+    (may be ``Embedding1D.weight``, tied), ``bias`` replicated. ``[..., in]`` -> ``[..., classes]``
+    replicated."""
+
+    def __init__(
+        self,
+        in_features: int,
+        num_classes: int,
+        bias: bool = True,
+        *,
+        weight: nn.Parameter | None = None,
+        ctx: ParallelContext | None = None,
+    ) -> None:
+        super().__init__()
+        self.ctx = _context(ctx)
+        self.in_features, self.num_classes = in_features, num_classes
+        plain = nn.Linear(in_features, num_classes, bias=bias)
+        spec = ShardSpec((num_classes, in_features), ((), (TENSOR,)))
+        if weight is None:
+            self.weight = shard_parameter(plain.weight, spec, self.ctx)
+        else:
+            self.weight = _check_tied(weight, spec, "Classifier1D")
+        self.bias = plain.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self.ctx.group(TENSOR)
+        _, valid = local_range(self.in_features, group.size, group.rank)
+        return row_parallel_linear(split_last_dim(x, group), self.weight, self.bias, group, valid_in=valid)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, num_classes={self.num_classes}, bias={self.bias is not None}"
+
+
+class VocabParallelClassifier1D(nn.Module):
+    """Classifier head, column-parallel over classes: ``weight [classes, in]`` split on classes
+    (may be ``VocabParallelEmbedding1D.weight``, tied). ``[..., in]`` replicated ->
+    ``[..., classes/P]`` (padded). Padded classes get the dtype's lowest logit, so a softmax (or
+    :class:`VocabParallelCrossEntropyLoss1D`) gives them zero probability and zero gradient."""
+
+    def __init__(
+        self,
+        in_features: int,
+        num_classes: int,
+        bias: bool = False,
+        *,
+        weight: nn.Parameter | None = None,
+        ctx: ParallelContext | None = None,
+    ) -> None:
+        super().__init__()
+        self.ctx = _context(ctx)
+        self.in_features, self.num_classes = in_features, num_classes
+        plain = nn.Linear(in_features, num_classes, bias=bias)
+        spec = ShardSpec((num_classes, in_features), ((TENSOR,), ()))
+        if weight is None:
+            self.weight = shard_parameter(plain.weight, spec, self.ctx)
+        else:
+            self.weight = _check_tied(weight, spec, "VocabParallelClassifier1D")
+        self.bias: nn.Parameter | None = None
+        if plain.bias is not None:
+            self.bias = shard_parameter(plain.bias, ShardSpec((num_classes,), ((TENSOR,),)), self.ctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self.ctx.group(TENSOR)
+        logits = column_parallel_linear(x, self.weight, self.bias, group)
+        _, valid = local_range(self.num_classes, group.size, group.rank)
+        if valid < logits.shape[-1]:
+            padded = torch.arange(logits.shape[-1], device=logits.device) >= valid
+            logits = logits.masked_fill(padded, torch.finfo(logits.dtype).min)
+        return logits
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, num_classes={self.num_classes}, bias={self.bias is not None}"
+
+
+class PatchEmbedding1D(nn.Module):
+    """ViT patch embedding (as ``tessera.nn.plain.PatchEmbedding``) with every parameter split on
+    the embedding dimension: each rank computes its ``embed/P`` channels (conv, class token,
+    position embedding), then all-gather. ``[b, c, H, W]`` -> ``[b, 1 + N, embed]`` replicated."""
+
+    def __init__(
+        self,
+        img_size: int,
+        patch_size: int,
+        in_chans: int,
+        embed_size: int,
+        *,
+        ctx: ParallelContext | None = None,
+    ) -> None:
+        super().__init__()
+        self.ctx = _context(ctx)
+        plain = PatchEmbedding(img_size, patch_size, in_chans, embed_size)
+        self.patch_size, self.num_patches, self.embed_size = patch_size, plain.num_patches, embed_size
+        split_first = ((TENSOR,), (), (), ())
+        self.weight = shard_parameter(plain.weight, ShardSpec(tuple(plain.weight.shape), split_first), self.ctx)
+        assert plain.bias is not None  # a conv with bias
+        self.bias = shard_parameter(plain.bias, ShardSpec((embed_size,), ((TENSOR,),)), self.ctx)
+        split_last = ((), (), (TENSOR,))
+        self.cls_token = shard_parameter(plain.cls_token, ShardSpec(tuple(plain.cls_token.shape), split_last), self.ctx)
+        self.pos_embed = shard_parameter(plain.pos_embed, ShardSpec(tuple(plain.pos_embed.shape), split_last), self.ctx)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        group = self.ctx.group(TENSOR)
+        images = comm.copy_forward_all_reduce_backward(images, group)  # each rank's channels feed back a part
+        x = F.conv2d(images, self.weight, self.bias, stride=self.patch_size).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        return gather_last_dim(x, group, self.embed_size)
+
+    def extra_repr(self) -> str:
+        return f"patch_size={self.patch_size}, num_patches={self.num_patches}, embed_size={self.embed_size}"
+
+
+class Dropout1D(nn.Module):
+    """Dropout whose mask comes from ``ctx.rng.fork("tensor")`` when the input is split over the
+    tensor group (``parallel_input``: column-parallel outputs, sequence-parallel activations), and
+    from the default stream, equal on every rank of the group, when the input is replicated."""
+
+    def __init__(self, p: float = 0.5, *, parallel_input: bool = False, ctx: ParallelContext | None = None) -> None:
+        super().__init__()
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1], got {p}")
+        self.ctx = _context(ctx)
+        self.p, self.parallel_input = p, parallel_input
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if self.parallel_input:
+            with self.ctx.rng.fork(TENSOR):
+                return F.dropout(x, self.p, training=True)
+        return F.dropout(x, self.p, training=True)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, parallel_input={self.parallel_input}"
+
+
+class CrossEntropyLoss1D(nn.Module):
+    """Mean cross entropy of full logits ``[..., C]`` (replicated) and targets ``[...]``; the same
+    scalar on every rank."""
+
+    def __init__(self, *, ignore_index: int = -100, ctx: ParallelContext | None = None) -> None:
+        super().__init__()
+        self.ignore_index = ignore_index
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=self.ignore_index)
+
+
+class VocabParallelCrossEntropyLoss1D(nn.Module):
+    """Mean cross entropy of class-split logits ``[..., C/P]`` (a ``VocabParallelClassifier1D``'s
+    output) and full targets ``[...]``; the same scalar on every rank.
+
+    ``num_classes``: the true class count, so that the padding of an uneven split is masked out.
+    Left None, it is taken as ``C/P * P``: right for an even split, and for logits of
+    ``VocabParallelClassifier1D``, whose padded classes already hold the lowest logit.
+    """
+
+    def __init__(
+        self, *, num_classes: int | None = None, ignore_index: int = -100, ctx: ParallelContext | None = None
+    ) -> None:
+        super().__init__()
+        self.ctx = _context(ctx)
+        self.num_classes, self.ignore_index = num_classes, ignore_index
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        group = self.ctx.group(TENSOR)
+        num_classes = self.num_classes if self.num_classes is not None else logits.shape[-1] * group.size
+        flat_targets = targets.flatten()
+        losses = vocab_parallel_cross_entropy(logits.flatten(0, -2), flat_targets, group, num_classes)
+        kept = flat_targets != self.ignore_index
+        return torch.where(kept, losses, torch.zeros_like(losses)).sum() / kept.sum()
