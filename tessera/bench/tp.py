@@ -31,7 +31,8 @@ def _saved_bytes(fn: Any) -> tuple[Any, int]:
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         nonlocal total
-        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor counts its local shard
+        key = (local.untyped_storage().data_ptr(), local.untyped_storage().nbytes())
         if key not in seen:
             seen.add(key)
             total += key[1]
