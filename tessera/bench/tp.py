@@ -24,15 +24,20 @@ HIDDEN = 1024
 HEADS = 16
 
 
-def _saved_bytes(fn: Any) -> tuple[Any, int]:
-    """Run ``fn()`` counting the bytes of every tensor autograd saves for backward."""
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor counts its local shard
+    return local.untyped_storage().data_ptr(), local.untyped_storage().nbytes()
+
+
+def _saved_bytes(fn: Any, module: nn.Module) -> tuple[Any, int]:
+    """Run ``fn()`` counting the bytes of every tensor autograd saves for backward, parameters
+    of ``module`` excluded (they are model state, not activations)."""
     total = 0
-    seen: set[tuple[int, int]] = set()
+    seen: set[tuple[int, int]] = {_storage_key(p) for p in module.parameters()}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         nonlocal total
-        local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor counts its local shard
-        key = (local.untyped_storage().data_ptr(), local.untyped_storage().nbytes())
+        key = _storage_key(t)
         if key not in seen:
             seen.add(key)
             total += key[1]
@@ -87,7 +92,7 @@ def _rank_body(
         opt.step()
 
     step()  # warm-up
-    _, activation = _saved_bytes(lambda: block(x))
+    _, activation = _saved_bytes(lambda: block(x), block)
     with comm.ledger() as led:
         step()
     result: dict[str, Any] = {
@@ -120,7 +125,7 @@ def _rank_body(
         ref_opt.step()
 
     ref_step()
-    _, result["torch_activation_bytes"] = _saved_bytes(lambda: ref(x_ref))
+    _, result["torch_activation_bytes"] = _saved_bytes(lambda: ref(x_ref), ref)
     ours: list[float] = []
     theirs: list[float] = []
     for i in range(blocks):  # alternate ABAB / BABA

@@ -102,7 +102,7 @@ def body_big_vocab_loss(layout: dict | None):
     weight = model.tok_emb.weight  # tied: the gradient sums the embedding's and the head's
     spec = getattr(weight, "tessera_shard", None)
     grad = gather_full(weight.grad, spec, ctx) if spec is not None else weight.grad
-    return float(loss), ctx.rank, tuple(weight.shape), grad
+    return float(loss.detach()), ctx.rank, tuple(weight.shape), grad
 
 
 BIG_VOCAB_LAYOUTS = {
