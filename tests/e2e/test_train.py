@@ -49,3 +49,17 @@ def test_the_getting_started_example_runs_as_written(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     epochs = [line.split()[0] for line in out.stdout.splitlines() if line[:1].isdigit()]
     assert epochs == ["0", "1", "2"], out.stdout
+
+
+def test_train_runs_under_2d_tensor_parallelism(tmp_path):
+    run_dir = tmp_path / "run2d"
+    out = run([*tessera_cmd(), "train", "--nproc", "4", "--output-dir", str(run_dir),
+               "--set", "parallel.tensor.size=4", "--set", "parallel.tensor.mode=2d",
+               "--set", "trainer.steps=3", "--set", "trainer.eval_every=3", "--set", "trainer.progress_bar=false",
+               "--set", "data.max_bytes=100000", "--set", "data.micro_batch_size=4"], timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["parallel"]["tensor"] == {"size": 4, "mode": "2d", "depth": 1, "sequence_parallel": False}
+    weights = load_weights(run_dir / "model.safetensors")
+    reference = gpt("tiny").state_dict()
+    assert {k: tuple(v.shape) for k, v in weights.items()} == {k: tuple(v.shape) for k, v in reference.items()}
