@@ -223,6 +223,32 @@ def broadcast(tensor: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:
     return tensor
 
 
+class Pending:
+    """A collective in flight: ``wait()`` (under the watchdog) returns its result tensor."""
+
+    def __init__(self, work: Any, op: str, group: AxisGroup, result: torch.Tensor) -> None:
+        self._work, self._op, self._group, self._result = work, op, group, result
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            _wait(self._work, self._op, self._group)
+            self._work = None
+        return self._result
+
+
+def broadcast_async(tensor: torch.Tensor, group: Group, src: int = 0) -> Pending:
+    """Start a broadcast from member ``src`` into contiguous ``tensor`` and return at once, so
+    that compute can overlap it; ``.wait()`` before reading the tensor."""
+    g = resolve(group)
+    if g.size == 1:
+        return Pending(None, "broadcast", g, tensor)
+    if not tensor.is_contiguous():
+        raise ValueError("broadcast_async needs a contiguous tensor")
+    record("broadcast", g.name, g.size, _nbytes(tensor))
+    work = dist.broadcast(tensor, g.global_rank_of(src), g.pg, async_op=True)
+    return Pending(work, "broadcast", g, tensor)
+
+
 def reduce(tensor: torch.Tensor, group: Group, dst: int = 0, op: str = "sum") -> torch.Tensor:
     """Reduce onto member ``dst`` (an index in the group), in place; other members' values are undefined."""
     g = resolve(group)

@@ -32,6 +32,8 @@ def body_collectives():
     torch.testing.assert_close(comm.reduce_scatter(wide[rank], "data", dim=1), sum(wide).chunk(world, 1)[rank])
     # broadcast and reduce with a non-zero root
     torch.testing.assert_close(comm.broadcast(x.clone(), "data", src=2), everyone[2])
+    pending = comm.broadcast_async(x.clone(), "data", src=3)  # returns at once; wait() delivers
+    torch.testing.assert_close(pending.wait(), everyone[3])
     reduced = comm.reduce(x.clone(), "data", dst=1)
     if rank == 1:
         torch.testing.assert_close(reduced, full_sum)
@@ -118,6 +120,7 @@ def body_ledger():
         comm.all_gather(torch.zeros(2, 4), "data")  # output 32 floats = 128 B
         comm.reduce_scatter(torch.zeros(8, 4), "data")  # input 128 B
         comm.broadcast(torch.zeros(10), "data")  # 40 B
+        comm.broadcast_async(torch.zeros(10), "data").wait()  # 40 B
         comm.all_to_all(torch.zeros(16), "data", 0, 0)  # 64 B
         peer = (ctx.rank + 1) % 4, (ctx.rank - 1) % 4
         comm.batch_p2p([comm.P2POp("send", torch.zeros(4), "data", peer[0]),
@@ -129,7 +132,7 @@ def body_ledger():
         ("all_reduce", 2 * (p - 1) * (1000 + 10) * f32 / p),
         ("all_gather", (p - 1) * 32 * f32 / p),
         ("reduce_scatter", (p - 1) * 32 * f32 / p),
-        ("broadcast", (p - 1) * 10 * f32 / p),
+        ("broadcast", (p - 1) * 2 * 10 * f32 / p),
         ("all_to_all", (p - 1) * 16 * f32 / p),
         ("send", 16),
         ("recv", 16),
@@ -138,7 +141,7 @@ def body_ledger():
     got = {(op, led.bytes(op, "data")) for op, _ in expected}
     assert got == expected, got
     assert led.calls("all_reduce", "data") == 2 and led.calls(axis="tensor") == 0
-    assert led.bytes() == 6060 + 96 + 96 + 30 + 48 + 32
+    assert led.bytes() == 6060 + 96 + 96 + 60 + 48 + 32
     return True
 
 

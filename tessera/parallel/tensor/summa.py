@@ -20,10 +20,8 @@ C = A^T B   broadcast ``A_il`` on the row;            (q-1) (|A_ij| + |C_ij|)
 Each product's backward is two of the others (``C = A B``: ``dA = dC B^T``, ``dB = A^T dC``),
 so every autograd function here re-broadcasts its saved local blocks instead of keeping the q
 received ones (the Optimus memory trade). 2.5D runs the same steps inside each of its ``depth``
-grids. The broadcasts are blocking: ``tessera.comm`` has no asynchronous broadcast and only it
-may call ``torch.distributed``, so the next step's broadcast does not yet overlap the current
-step's matmul (an ``ibroadcast`` in ``tessera.comm`` would let ``_broadcast_block`` run one step
-ahead).
+grids. Each product runs one step ahead: the broadcasts of step ``l + 1`` are started
+(``comm.broadcast_async``) before the matmul of step ``l``, so communication overlaps compute.
 
 Besides the products: :class:`SummaGrid` (this rank's place in the grid(s)), the grid transpose
 (block ``(i, j)`` to ``(j, i)``), and splitting and gathering a ``[batch, (seq,) hidden]``
@@ -122,22 +120,32 @@ class SummaGrid:
 # ---- SUMMA products (no autograd) ----------------------------------------------------------
 
 
-def _broadcast_block(block: torch.Tensor, group: AxisGroup, src: int) -> torch.Tensor:
-    """Member ``src``'s block on every member of ``group`` (blocks have equal shapes)."""
-    if group.size == 1:
-        return block
-    if not block.is_contiguous() and block.dim() == 2 and block.t().is_contiguous():
-        return _broadcast_block(block.t(), group, src).t()  # a transposed weight goes as stored
-    block = block.contiguous()
-    buf = block if group.rank == src else torch.empty_like(block)
-    return comm.broadcast(buf, group, src)
+class _Block:
+    """Member ``src``'s block arriving on every member of ``group`` (blocks have equal shapes);
+    started at construction, ``get()`` waits for it."""
+
+    def __init__(self, block: torch.Tensor, group: AxisGroup, src: int) -> None:
+        self.transposed = not block.is_contiguous() and block.dim() == 2 and block.t().is_contiguous()
+        if self.transposed:
+            block = block.t()  # a transposed weight goes as stored
+        block = block.contiguous()
+        buf = block if group.size == 1 or group.rank == src else torch.empty_like(block)
+        self.pending = comm.broadcast_async(buf, group, src)
+
+    def get(self) -> torch.Tensor:
+        out = self.pending.wait()
+        return out.t() if self.transposed else out
 
 
 def summa_ab(a: torch.Tensor, b: torch.Tensor, row: AxisGroup, col: AxisGroup) -> torch.Tensor:
     """``C = A B``: ``a`` is ``A_ij [m/q, k/q]``, ``b`` is ``B_ij [k/q, n/q]``; returns ``C_ij [m/q, n/q]``."""
     out = a.new_zeros(a.shape[0], b.shape[1])
+    ahead = (_Block(a, row, 0), _Block(b, col, 0))
     for step in range(row.size):
-        out.addmm_(_broadcast_block(a, row, step), _broadcast_block(b, col, step))
+        a_blk, b_blk = ahead[0].get(), ahead[1].get()
+        if step + 1 < row.size:  # the next step's blocks travel while this step multiplies
+            ahead = (_Block(a, row, step + 1), _Block(b, col, step + 1))
+        out.addmm_(a_blk, b_blk)
     return out
 
 
@@ -146,9 +154,12 @@ def summa_abt(a: torch.Tensor, b: torch.Tensor, row: AxisGroup, col: AxisGroup) 
 
     Step ``l``: ``A_ij B_lj^T`` is column ``j``'s share of ``C_il``, summed onto row member ``l``."""
     out: torch.Tensor | None = None
+    ahead = _Block(b, col, 0)
     for step in range(row.size):
-        part = a @ _broadcast_block(b, col, step).t()
-        part = comm.reduce(part, row, dst=step)
+        b_blk = ahead.get()
+        if step + 1 < row.size:
+            ahead = _Block(b, col, step + 1)
+        part = comm.reduce(a @ b_blk.t(), row, dst=step)
         if row.rank == step:
             out = part
     assert out is not None
@@ -160,9 +171,12 @@ def summa_atb(a: torch.Tensor, b: torch.Tensor, row: AxisGroup, col: AxisGroup) 
 
     Step ``l``: ``A_il^T B_ij`` is row ``i``'s share of ``C_lj``, summed onto column member ``l``."""
     out: torch.Tensor | None = None
+    ahead = _Block(a, row, 0)
     for step in range(col.size):
-        part = _broadcast_block(a, row, step).t() @ b
-        part = comm.reduce(part, col, dst=step)
+        a_blk = ahead.get()
+        if step + 1 < col.size:
+            ahead = _Block(a, row, step + 1)
+        part = comm.reduce(a_blk.t() @ b, col, dst=step)
         if col.rank == step:
             out = part
     assert out is not None
