@@ -2,10 +2,10 @@
 
 A :class:`ShardSpec` says, for each dimension of a parameter (or activation), which mesh axes
 split it. A dimension split by axes ``(a, b)`` is cut into ``size(a) * size(b)`` equal blocks
-(after zero-padding it to a multiple of that count), and the rank holds block
-``index(a) * size(b) + index(b)``. A dimension may hold ``groups`` fused parts (the q, k and v
-projections of attention, say): each part is padded and split on its own, so every rank holds
-its block of every part, side by side.
+(after zero-padding it to a multiple of that count, or of ``pad_to[d]`` where given), and the
+rank holds block ``index(a) * size(b) + index(b)``. A dimension may hold ``groups`` fused parts
+(the q, k and v projections of attention, say): each part is padded and split on its own, so
+every rank holds its block of every part, side by side.
 
 Parameters made by :func:`shard_parameter` carry their spec (``param.tessera_shard``) and the
 axes that split them (``param.tessera_sharded_along``), which is all that
@@ -39,19 +39,30 @@ def round_up(value: int, multiple: int) -> int:
 @dataclass(frozen=True)
 class ShardSpec:
     """How a tensor of ``full_shape`` is split: ``dims[d]`` are the axes splitting dimension ``d``
-    (outermost first; empty: not split), ``groups[d]`` the fused parts of dimension ``d``."""
+    (outermost first; empty: not split), ``groups[d]`` the fused parts of dimension ``d``, and
+    ``pad_to[d]`` (0: the number of parts) the multiple each part of a split dimension is
+    zero-padded to; it must be a multiple of the number of parts (3D pads a dimension split q
+    ways to a multiple of q^2, so that its blocks are unions of another dimension's q^2 blocks)."""
 
     full_shape: tuple[int, ...]
     dims: tuple[tuple[str, ...], ...]
     groups: tuple[int, ...] = ()
+    pad_to: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.dims) != len(self.full_shape):
             raise ValueError(f"ShardSpec: {len(self.dims)} dim entries for shape {self.full_shape}")
         if not self.groups:
             object.__setattr__(self, "groups", (1,) * len(self.full_shape))
+        if not self.pad_to:
+            object.__setattr__(self, "pad_to", (0,) * len(self.full_shape))
         for size, g in zip(self.full_shape, self.groups, strict=True):
             divide(size, g, "ShardSpec: fused parts of a dimension")
+        if len(self.pad_to) != len(self.full_shape):
+            raise ValueError(f"ShardSpec: {len(self.pad_to)} pad_to entries for shape {self.full_shape}")
+        for axes, multiple in zip(self.dims, self.pad_to, strict=True):
+            if multiple < 0 or (multiple and not axes):
+                raise ValueError(f"ShardSpec: pad_to {self.pad_to} must be >= 0, and 0 on dimensions not split")
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -67,9 +78,16 @@ class ShardSpec:
             index = index * ctx.size(axis) + ctx.local_rank(axis)
         return index
 
+    def multiple(self, dim: int, ctx: ParallelContext) -> int:
+        """What each part of dimension ``dim`` is padded to a multiple of."""
+        parts = self.parts(dim, ctx)
+        multiple = self.pad_to[dim] or parts
+        divide(multiple, parts, f"ShardSpec: pad_to of dimension {dim}")
+        return multiple
+
     def padded_size(self, dim: int, ctx: ParallelContext) -> int:
         per_group = self.full_shape[dim] // self.groups[dim]
-        return self.groups[dim] * round_up(per_group, self.parts(dim, ctx))
+        return self.groups[dim] * round_up(per_group, self.multiple(dim, ctx))
 
     def local_shape(self, ctx: ParallelContext) -> tuple[int, ...]:
         return tuple(self.padded_size(d, ctx) // self.parts(d, ctx) for d in range(len(self.full_shape)))
@@ -85,7 +103,7 @@ def local_shard(full: torch.Tensor, spec: ShardSpec, ctx: ParallelContext) -> to
             continue
         parts, index, groups = spec.parts(dim, ctx), spec.index(dim, ctx), spec.groups[dim]
         per_group = out.shape[dim] // groups
-        padded = round_up(per_group, parts)
+        padded = round_up(per_group, spec.multiple(dim, ctx))
         grouped = out.unflatten(dim, (groups, per_group))
         if padded != per_group:
             pad_shape = list(grouped.shape)

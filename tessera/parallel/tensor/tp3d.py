@@ -5,18 +5,16 @@
 The cube. Tensor rank ``t = w*q*q + n*q + o``; three lines of the cube pass through it:
 ``3d_weight`` (members differ in ``w``), ``3d_input`` (in ``n``) and ``3d_output`` (in ``o``).
 
-Activation layout. ``[b, (s,) h]`` is held as ``[ceil(b/q), (s,) F]``:
+Activation layout. ``[b, (s,) h]`` is held as ``[ceil(b/q), (s,) ceil(h/q^2)]``:
 
 * the batch is split by ``3d_weight`` (block ``w``; zero rows pad it to a multiple of q, they
   carry no loss and :func:`gather_activation` drops them), the sequence is whole;
-* the hidden dimension is split by ``3d_output``, then ``3d_input``: rank ``(w, n, o)`` holds fine
-  block ``n`` of coarse block ``o``, a coarse block being ``c = ceil(h/q)`` units and a fine block
-  ``F`` units, zero-padded at the end of its coarse block (:class:`HiddenSplit`).
+* the hidden dimension is zero-padded to a multiple of q^2 and split by ``3d_output``, then
+  ``3d_input``: rank ``(w, n, o)`` holds block ``o*q + n`` of ``F = ceil(h/q^2)`` units (the
+  ``ShardSpec`` split by ``(3d_output, 3d_input)``). Coarse block ``o`` (``q F`` units) is the
+  union of the blocks of the ranks of one ``3d_input`` line.
 
-So ``hidden_parts = q^2`` and ``batch_parts = q``. When ``c`` is a multiple of q (every ``h`` with
-``h % q^2 == 0``; on q = 2 also ``h % 4 == 3``) ``F = c/q`` and the block is simply block
-``o*q + n`` of ``h`` split q^2 ways (a ``ShardSpec`` split by ``(3d_output, 3d_input)``, unpadded
-when ``h % q^2 == 0``, so attention heads stay whole). Every layer returns the layout it takes.
+So ``hidden_parts = q^2`` and ``batch_parts = q``; every layer returns the layout it takes.
 
 Linear (Agarwal's 3D matmul). ``Y = X W^T``, ``W [out, in]``: rank ``(w, n, o)`` keeps
 ``W[out block w*q + n, in block o]`` (out split q^2 ways by ``(3d_weight, 3d_input)``, in q ways
@@ -28,8 +26,8 @@ by ``3d_output``: 1/q^3 of the weight)::
     backward  dY_o = all-gather dY along 3d_output; dX = reduce-scatter dY_o W_o along 3d_input;
               dW = reduce-scatter dY_o^T X_o along 3d_weight.
 
-Because ``W_o`` holds the out blocks ``(o', n)`` of every ``o'``, the reduce-scatter over ``o``
-hands rank ``o`` out block ``(o, n)``: the output has exactly the input's layout. (Colossal-AI's
+Because ``W_o`` holds the out blocks ``o'*q + n`` of every ``o'``, the reduce-scatter over ``o``
+hands rank ``o`` out block ``o*q + n``: the output has exactly the input's layout. (Colossal-AI's
 layers instead swap the roles of the input and output axes from one layer to the next, which
 the layers then have to track; here nothing is tracked and any chain works: Linear -> LayerNorm
 -> Linear, residual adds, ...). Logical bytes per rank, fp size ``e``, sizes divisible::
@@ -39,8 +37,18 @@ the layers then have to track; here nothing is tracked and any chain works: Line
     reduce-scatter + all-gather on 3d_output   2 (q-1)/q^3 e b s out
     all-reduce on 3d_weight (bias gradient)    2 (q-1)/q^3 e out
 
-in all ``2 (q-1)/q^3 e (b s (in + out) + in out)``, plus the bias; with padding every size is
-the padded block's (see ``tests/dist/test_tp3d.py``).
+in all ``2 (q-1)/q^3 e (b s (in + out) + in out + out)``; with padding, ``b`` is rounded up to a
+multiple of q and ``in``, ``out`` to multiples of q^2 (see ``tests/dist/test_tp3d.py``).
+
+Uneven sizes. Every dimension that meets the hidden dimension is padded to a multiple of q^2,
+whatever it is split into: the activations' and the hidden parameters' (split q^2 ways), a
+Linear's out dimension (q^2 ways, per fused part) and its in dimension, split only q ways but
+padded to a multiple of q^2 (``ShardSpec.pad_to``) so that in block ``o`` is the activations'
+coarse block ``o``. So every size works, and a padded unit stays exactly zero: its weights and
+biases are zero, and so its outputs are, and its gradients (LayerNorm masks its padding and
+takes its statistics over the true ``h`` units). The vocabulary of the vocabulary-parallel
+layers is padded likewise (logits ``[b/q, s, ceil(V/q^2)]``, block ``o*q + n``; padded classes
+get the lowest logit).
 
 Other parameters:
 
@@ -54,19 +62,6 @@ VocabParallelEmbedding /           as ``Linear.weight``: vocab by  complete on i
 VocabParallelClassifier ``[V, h]`` ``(3d_weight, 3d_input)``,
                                    hidden by ``3d_output``
 =================================  ==============================  =================================
-
-Uneven hidden sizes. A ``ShardSpec`` pads a dimension split k ways to a multiple of k. A Linear's
-in dimension is split q ways, so the activation's coarse blocks are ``ceil(h/q)``; its out
-dimension q^2 ways, and its q^2 blocks must be the activation's fine blocks. Both hold when
-``c = ceil(h/q)`` is a multiple of q. When it is not but ``h % q == 0`` (h = 30 on q = 2), a
-Linear keeps each coarse block of its out dimension as a ``ShardSpec`` group of its own (groups
-``q * out_groups``, split by ``(3d_input, 3d_weight)`` and padded to a multiple of q^2), so
-``F = round_up(c, q^2)/q``; the other parameters with a hidden dimension are then kept whole on
-every rank (their gradient all-reduced over ``tensor``). A Linear whose out features (per fused
-part) fit neither, ``h % q != 0`` and ``ceil(h/q) % q != 0`` (h = 29 on q = 2), raises ValueError:
-no ``ShardSpec`` can hold its blocks. Other layers take any size; the vocabulary of the
-vocabulary-parallel layers is split as plain q^2 blocks (logits ``[b/q, s, ceil(V/q^2)]``, block
-``o*q + n``), so any vocabulary works.
 """
 
 from __future__ import annotations
@@ -82,7 +77,7 @@ from tessera import comm
 from tessera.comm import AxisGroup
 from tessera.context import ParallelContext, get_context
 from tessera.nn.plain import PatchEmbedding
-from tessera.parallel.tensor.common import ShardSpec, round_up, shard_parameter, spec_of
+from tessera.parallel.tensor.common import ShardSpec, shard_parameter, spec_of
 
 __all__ = [
     "Classifier3D",
@@ -90,7 +85,6 @@ __all__ = [
     "Cube",
     "Dropout3D",
     "Embedding3D",
-    "HiddenSplit",
     "LayerNorm3D",
     "Linear3D",
     "PatchEmbedding3D",
@@ -103,10 +97,12 @@ __all__ = [
     "hidden_local",
     "hidden_param",
     "hidden_parts",
+    "hidden_spec",
     "layer_norm_3d",
     "linear_3d",
     "mean_over_batch",
     "split_activation",
+    "weight_spec",
 ]
 
 INPUT, WEIGHT, OUTPUT, TENSOR = "3d_input", "3d_weight", "3d_output", "tensor"
@@ -153,64 +149,28 @@ class Cube:
         return self.output.rank
 
     @property
+    def block(self) -> int:
+        """This rank's block of a hidden dimension split q^2 ways: ``o*q + n``."""
+        return self.o * self.q + self.n
+
+    @property
     def hidden_groups(self) -> tuple[AxisGroup, AxisGroup]:
         """The groups splitting the hidden dimension (statistics over it are summed over both)."""
         return (self.input, self.output)
 
-
-@dataclass(frozen=True)
-class HiddenSplit:
-    """How a hidden dimension of ``size`` units lies on the cube: coarse block ``o`` (``coarse``
-    units) by ``3d_output``, fine block ``n`` of it (``fine`` units, padded at the end of the
-    coarse block) by ``3d_input``."""
-
-    size: int
-    q: int
-
-    @property
-    def coarse(self) -> int:
-        return -(-self.size // self.q)
-
-    @property
-    def exact(self) -> bool:
-        """Whether block ``(o, n)`` is block ``o*q + n`` of ``size`` split q^2 ways (a ShardSpec)."""
-        return self.coarse % self.q == 0
-
-    @property
-    def fine(self) -> int:
-        """Units per rank (``F``)."""
-        if self.exact:
-            return self.coarse // self.q
-        return round_up(self.coarse, self.q * self.q) // self.q
-
-    def block(self, o: int, n: int) -> tuple[int, int]:
-        """``(start, valid)``: where block ``(o, n)`` starts and how many real units it holds."""
-        start = o * self.coarse + n * self.fine
-        end = min(o * self.coarse + min((n + 1) * self.fine, self.coarse), self.size)
-        return start, max(0, end - start)
-
-    def linear_rows(self) -> tuple[tuple[str, str], int]:
-        """How a Linear splits out rows of this size: the ``ShardSpec`` axes and the number of
-        groups per fused part (see the module docstring, "Uneven hidden sizes")."""
-        if self.exact:
-            return (WEIGHT, INPUT), 1
-        if self.size % self.q == 0:
-            return (INPUT, WEIGHT), self.q
-        raise ValueError(
-            f"3D: a Linear cannot produce {self.size} output features on q={self.q}: neither "
-            f"ceil({self.size}/q)={self.coarse} nor {self.size} is divisible by q, so no ShardSpec "
-            "holds its blocks; pad the layer to the next multiple of q"
-        )
+    def per_rank(self, size: int) -> int:
+        """Units per rank of a hidden dimension of ``size``: ``ceil(size/q^2)``."""
+        return -(-size // self.q**2)
 
 
 def _context(ctx: ParallelContext | None) -> ParallelContext:
     return ctx if ctx is not None else get_context()
 
 
-def _check_local(x: torch.Tensor, split: HiddenSplit, what: str) -> None:
-    if x.shape[-1] != split.fine:
+def _check_local(x: torch.Tensor, size: int, cube: Cube, what: str) -> None:
+    if x.shape[-1] != cube.per_rank(size):
         raise ValueError(
-            f"{what}: expected the 3D layout of {split.size} hidden units ({split.fine} per rank), got "
+            f"{what}: expected the 3D layout of {size} hidden units ({cube.per_rank(size)} per rank), got "
             f"shape {tuple(x.shape)}; split a full activation with split_activation first"
         )
 
@@ -233,99 +193,71 @@ def batch_block(x: torch.Tensor, cube: Cube, pad_value: float = 0.0) -> torch.Te
     return _pad_to(x, 0, per * cube.q, pad_value).narrow(0, cube.w * per, per)
 
 
-def _split_hidden(x: torch.Tensor, split: HiddenSplit, cube: Cube) -> torch.Tensor:
-    """``[..., h]`` (full, the same on every rank) -> ``[..., F]`` block ``(o, n)``; the backward
-    all-gathers, so the full tensor gets its full gradient on every rank."""
-    x = _pad_to(x, -1, split.coarse * cube.q)
-    x = comm.split_forward_gather_backward(x, cube.output, -1)
-    x = _pad_to(x, -1, split.fine * cube.q)
-    return comm.split_forward_gather_backward(x, cube.input, -1)
-
-
-def _gather_hidden(x: torch.Tensor, split: HiddenSplit, cube: Cube) -> torch.Tensor:
-    """Inverse of :func:`_split_hidden`: ``[..., F] -> [..., h]`` on every rank."""
-    x = comm.gather_forward_split_backward(x, cube.input, -1)
-    x = x.narrow(-1, 0, split.coarse)
-    x = comm.gather_forward_split_backward(x, cube.output, -1)
-    return x.narrow(-1, 0, split.size)
-
-
-def _take_block(x: torch.Tensor, dim: int, split: HiddenSplit, cube: Cube, groups: int = 1) -> torch.Tensor:
-    """Block ``(o, n)`` of each of the ``groups`` parts of dimension ``dim`` of a full tensor,
-    zero-padded to ``F``, side by side (no communication)."""
-    dim = dim % x.dim()
-    parts = x.unflatten(dim, (groups, split.size))
-    start, valid = split.block(cube.o, cube.n)
-    block = _pad_to(parts.narrow(dim + 1, start, valid), dim + 1, split.fine)
-    return block.flatten(dim, dim + 1)
-
-
 # ---- parameters with a hidden dimension -------------------------------------------------------
 
 
-def hidden_param(
-    full: torch.Tensor, dim: int, split: HiddenSplit, ctx: ParallelContext, groups: int = 1
-) -> nn.Parameter:
-    """A parameter whose dimension ``dim`` (``groups`` fused parts of ``split.size``) is hidden:
-    sharded as the activations (replicated over ``3d_weight``) when the split is exact, else
-    kept whole (see the module docstring)."""
-    if not split.exact:
-        return nn.Parameter(full.detach().clone())
-    dims: list[tuple[str, ...]] = [()] * full.dim()
+def hidden_spec(shape: tuple[int, ...], dim: int, groups: int = 1) -> ShardSpec:
+    """Dimension ``dim`` of ``shape`` (``groups`` fused parts) split as the activations' hidden
+    dimension, the others whole: replicated over ``3d_weight``."""
+    dims: list[tuple[str, ...]] = [()] * len(shape)
     dims[dim] = (OUTPUT, INPUT)
-    parts = [1] * full.dim()
+    parts = [1] * len(shape)
     parts[dim] = groups
-    return shard_parameter(full, ShardSpec(tuple(full.shape), tuple(dims), tuple(parts)), ctx)
+    return ShardSpec(tuple(shape), tuple(dims), tuple(parts))
 
 
-def hidden_local(param: torch.Tensor, dim: int, split: HiddenSplit, cube: Cube, groups: int = 1) -> torch.Tensor:
-    """This rank's blocks ``[.., groups*F, ..]`` of a :func:`hidden_param`. Each rank uses them on
-    its batch block only, so the backward sums the gradient over the ranks that share them."""
-    if split.exact:
-        return comm.copy_forward_all_reduce_backward(param, cube.weight)
-    whole = comm.copy_forward_all_reduce_backward(param, cube.tensor)
-    return _take_block(whole, dim, split, cube, groups)
+def weight_spec(out_features: int, in_features: int, q: int, groups: int = 1) -> ShardSpec:
+    """A Linear weight ``[out, in]`` (and a vocabulary-parallel ``[V, h]``): out by
+    ``(3d_weight, 3d_input)`` (per fused part), in by ``3d_output``, both padded to multiples of
+    q^2."""
+    return ShardSpec((out_features, in_features), ((WEIGHT, INPUT), (OUTPUT,)), (groups, 1), (0, q * q))
 
 
-def _check_tied(weight: nn.Parameter, expected: nn.Parameter, owner: str) -> nn.Parameter:
-    """``weight`` if it is laid out like ``expected`` (the layer's own parameter would be)."""
-    spec, want = spec_of(weight), spec_of(expected)
-    same = tuple(weight.shape) == tuple(expected.shape) and (
-        (spec is None and want is None)
-        or (spec is not None and want is not None and (spec.full_shape, spec.dims) == (want.full_shape, want.dims))
-    )
-    if not same:
-        raise ValueError(f"{owner}: the tied weight has spec {spec}, expected one like {want}")
+def hidden_param(full: torch.Tensor, dim: int, ctx: ParallelContext, groups: int = 1) -> nn.Parameter:
+    """A parameter whose dimension ``dim`` is hidden, sharded by :func:`hidden_spec`."""
+    return shard_parameter(full, hidden_spec(tuple(full.shape), dim, groups), ctx)
+
+
+def hidden_local(param: torch.Tensor, cube: Cube) -> torch.Tensor:
+    """A :func:`hidden_param` for use in the forward: each rank uses it on its batch block only,
+    so the backward sums the gradient over the ranks that share it (``3d_weight``)."""
+    return comm.copy_forward_all_reduce_backward(param, cube.weight)
+
+
+def _tied(weight: nn.Parameter, expected: ShardSpec, owner: str) -> nn.Parameter:
+    """``weight`` if it is laid out as the layer's own weight would be."""
+    if spec_of(weight) != expected:
+        raise ValueError(f"{owner}: the tied weight has spec {spec_of(weight)}, expected {expected}")
     return weight
 
 
 # ---- functional core ---------------------------------------------------------------------------
 
 
-def _gather_out_rows(weight: torch.Tensor, cube: Cube, groups: int, pieces: int) -> torch.Tensor:
-    """All-gather a Linear weight ``[groups*F, in/q]`` along ``3d_weight`` into
-    ``[q*groups*F, in/q]``: for each coarse block ``o'``, each part's out block ``(o', n)``; the
-    backward reduce-scatters the gradient (summing the batch blocks').
-
-    ``pieces=1``: the rank holds block ``w*q + n`` of each part, i.e. block ``(w, n)``;
-    ``pieces=q``: it holds piece ``n*q + w`` of each coarse block of each part (uneven sizes)."""
-    rows, cols = weight.shape
-    fine = rows // groups
-    if pieces == 1:
-        local, dim = weight.view(groups, 1, fine, cols), 1
-    else:
-        local, dim = weight.view(groups, cube.q, fine // cube.q, cols), 2
-    gathered = comm.all_gather_forward_reduce_scatter_backward(local, cube.weight, dim)  # [G, q, F, in/q]
-    return gathered.transpose(0, 1).reshape(cube.q * rows, cols)
+def _split_hidden(x: torch.Tensor, cube: Cube) -> torch.Tensor:
+    """``[..., h]`` (full, the same on every rank) -> ``[..., F]`` block ``o*q + n``; the backward
+    all-gathers, so the full tensor gets its full gradient on every rank."""
+    x = _pad_to(x, -1, cube.q**2 * cube.per_rank(x.shape[-1]))
+    x = comm.split_forward_gather_backward(x, cube.output, -1)
+    return comm.split_forward_gather_backward(x, cube.input, -1)
 
 
-def linear_3d(x: torch.Tensor, weight: torch.Tensor, cube: Cube, *, groups: int = 1, pieces: int = 1) -> torch.Tensor:
+def _gather_hidden(x: torch.Tensor, size: int, cube: Cube) -> torch.Tensor:
+    """Inverse of :func:`_split_hidden`: ``[..., F] -> [..., size]`` on every rank."""
+    x = comm.gather_forward_split_backward(x, cube.input, -1)
+    x = comm.gather_forward_split_backward(x, cube.output, -1)
+    return x.narrow(-1, 0, size)
+
+
+def linear_3d(x: torch.Tensor, weight: torch.Tensor, cube: Cube, *, groups: int = 1) -> torch.Tensor:
     """Agarwal's 3D matmul ``x W^T``: ``x [..., F_in]`` in the layout times this rank's weight block
-    ``[groups*F_out, ceil(in/q)]`` -> ``[..., groups*F_out]`` in the layout (each part's block
-    ``(o, n)``, side by side). ``pieces`` as in :func:`_gather_out_rows`."""
-    x = comm.all_gather_forward_reduce_scatter_backward(x, cube.input, -1)  # in block o (padded)
-    x = x.narrow(-1, 0, weight.shape[1])
-    w = _gather_out_rows(weight, cube, groups, pieces)
+    ``[groups*F_out, q*F_in]`` (:func:`weight_spec`) -> ``[..., groups*F_out]`` in the layout (each
+    part's block ``o*q + n``, side by side)."""
+    x = comm.all_gather_forward_reduce_scatter_backward(x, cube.input, -1)  # in block o
+    rows, cols = weight.shape
+    local = weight.view(groups, 1, rows // groups, cols)  # each part's out block w*q + n
+    gathered = comm.all_gather_forward_reduce_scatter_backward(local, cube.weight, 1)  # [G, q, F, in/q]
+    w = gathered.transpose(0, 1).reshape(cube.q * rows, cols)  # for each o': the parts' blocks o'*q + n
     partial = F.linear(x, w)  # [..., q*groups*F_out], summed over o next
     return comm.reduce_scatter_forward_all_gather_backward(partial, cube.output, -1)
 
@@ -369,14 +301,15 @@ def layer_norm_3d(
     x: torch.Tensor,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
-    split: HiddenSplit,
+    size: int,
     cube: Cube,
     eps: float,
 ) -> torch.Tensor:
-    """LayerNorm of ``x [..., F]`` (the layout) over the whole ``split.size`` hidden units, with
-    this rank's blocks of ``weight`` and ``bias``; padded units stay zero."""
-    _, valid = split.block(cube.o, cube.n)
-    y: torch.Tensor = _NormalizeHidden.apply(x, cube.hidden_groups, split.size, eps, valid)
+    """LayerNorm of ``x [..., F]`` (the layout) over the whole ``size`` hidden units, with this
+    rank's blocks of ``weight`` and ``bias``; padded units stay zero."""
+    per = x.shape[-1]
+    valid = max(0, min(per, size - cube.block * per))
+    y: torch.Tensor = _NormalizeHidden.apply(x, cube.hidden_groups, size, eps, valid)
     if weight is not None:
         y = y * weight
     return y if bias is None else y + bias
@@ -441,12 +374,12 @@ def batch_parts(ctx: ParallelContext | None = None) -> int:
 
 def split_activation(x_full: torch.Tensor, ctx: ParallelContext | None = None) -> torch.Tensor:
     """``[b, (s,) h]`` (full, the same on every rank) -> ``[ceil(b/q), (s,) F]``: batch block ``w``,
-    hidden block ``(o, n)``, zero-padded. Backward all-gathers, so the full input gets its full
+    hidden block ``o*q + n``, zero-padded. Backward all-gathers, so the full input gets its full
     gradient on every rank."""
     cube = Cube.of(_context(ctx))
     x = _pad_to(x_full, 0, -(-x_full.shape[0] // cube.q) * cube.q)
     x = comm.split_forward_gather_backward(x, cube.weight, 0)
-    return _split_hidden(x, HiddenSplit(x_full.shape[-1], cube.q), cube)
+    return _split_hidden(x, cube)
 
 
 def gather_activation(
@@ -458,9 +391,8 @@ def gather_activation(
     cube = Cube.of(_context(ctx))
     batch = full_shape[0] if full_shape is not None else cube.q * x_local.shape[0]
     hidden = full_shape[-1] if full_shape is not None else cube.q**2 * x_local.shape[-1]
-    split = HiddenSplit(hidden, cube.q)
-    _check_local(x_local, split, "gather_activation")
-    x = _gather_hidden(x_local, split, cube)
+    _check_local(x_local, hidden, cube, "gather_activation")
+    x = _gather_hidden(x_local, hidden, cube)
     x = comm.gather_forward_split_backward(x, cube.weight, 0)
     return x.narrow(0, 0, batch)
 
@@ -480,9 +412,8 @@ class _CubeLayer(nn.Module):
 class Linear3D(_CubeLayer):
     """``y = x W^T + b`` (Agarwal's 3D matmul): ``[b/q, (s,) F_in] -> [b/q, (s,) out_groups*F_out]``,
     both in the activation layout. ``weight [out, in]``: out block ``w*q + n`` (of each of
-    ``out_groups`` fused parts) by in block ``o``, 1/q^3 of it; ``bias`` as the activations.
-    Any ``in_features``; ``out_features`` per part with ``ceil(out/q) % q == 0`` or ``out % q == 0``
-    (see "Uneven hidden sizes" above), else ValueError."""
+    ``out_groups`` fused parts) by in block ``o``, 1/q^3 of it (:func:`weight_spec`); ``bias`` as
+    the activations. Any sizes."""
 
     def __init__(
         self,
@@ -496,22 +427,19 @@ class Linear3D(_CubeLayer):
         super().__init__(ctx)
         if out_features % out_groups:
             raise ValueError(f"Linear3D: {out_features} output features do not split into {out_groups} parts")
-        q = self.cube.q
         self.in_features, self.out_features, self.out_groups = in_features, out_features, out_groups
-        self.in_split, self.out_split = HiddenSplit(in_features, q), HiddenSplit(out_features // out_groups, q)
-        row_axes, self.pieces = self.out_split.linear_rows()
         plain = nn.Linear(in_features, out_features, bias=bias)
-        spec = ShardSpec((out_features, in_features), (row_axes, (OUTPUT,)), (out_groups * self.pieces, 1))
+        spec = weight_spec(out_features, in_features, self.cube.q, out_groups)
         self.weight = shard_parameter(plain.weight, spec, self.ctx)
         self.bias: nn.Parameter | None = None
         if plain.bias is not None:
-            self.bias = hidden_param(plain.bias, 0, self.out_split, self.ctx, out_groups)
+            self.bias = hidden_param(plain.bias, 0, self.ctx, out_groups)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _check_local(x, self.in_split, "Linear3D input")
-        y = linear_3d(x, self.weight, self.cube, groups=self.out_groups, pieces=self.pieces)
+        _check_local(x, self.in_features, self.cube, "Linear3D input")
+        y = linear_3d(x, self.weight, self.cube, groups=self.out_groups)
         if self.bias is not None:
-            y = y + hidden_local(self.bias, 0, self.out_split, self.cube, self.out_groups)
+            y = y + hidden_local(self.bias, self.cube)
         return y
 
     def extra_repr(self) -> str:
@@ -538,17 +466,16 @@ class LayerNorm3D(_CubeLayer):
         if len(plain.normalized_shape) != 1:
             raise ValueError(f"LayerNorm3D normalises the last (hidden) dimension only, got {plain.normalized_shape}")
         self.normalized_shape, self.eps = plain.normalized_shape, eps
-        self.split = HiddenSplit(plain.normalized_shape[0], self.cube.q)
-        self.weight = hidden_param(plain.weight, 0, self.split, self.ctx)
+        self.weight = hidden_param(plain.weight, 0, self.ctx)
         self.bias: nn.Parameter | None = None
         if plain.bias is not None:
-            self.bias = hidden_param(plain.bias, 0, self.split, self.ctx)
+            self.bias = hidden_param(plain.bias, 0, self.ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _check_local(x, self.split, "LayerNorm3D input")
-        weight = hidden_local(self.weight, 0, self.split, self.cube)
-        bias = None if self.bias is None else hidden_local(self.bias, 0, self.split, self.cube)
-        return layer_norm_3d(x, weight, bias, self.split, self.cube, self.eps)
+        size = self.normalized_shape[0]
+        _check_local(x, size, self.cube, "LayerNorm3D input")
+        bias = None if self.bias is None else hidden_local(self.bias, self.cube)
+        return layer_norm_3d(x, hidden_local(self.weight, self.cube), bias, size, self.cube, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}"
@@ -561,21 +488,14 @@ class Embedding3D(_CubeLayer):
     def __init__(self, num_embeddings: int, embedding_dim: int, *, ctx: ParallelContext | None = None) -> None:
         super().__init__(ctx)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.split = HiddenSplit(embedding_dim, self.cube.q)
         plain = nn.Embedding(num_embeddings, embedding_dim)
-        self.weight = hidden_param(plain.weight, 1, self.split, self.ctx)
+        self.weight = hidden_param(plain.weight, 1, self.ctx)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        table = hidden_local(self.weight, 1, self.split, self.cube)
-        return F.embedding(batch_block(ids, self.cube), table)
+        return F.embedding(batch_block(ids, self.cube), hidden_local(self.weight, self.cube))
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}"
-
-
-def _vocab_spec(num: int, hidden: int) -> ShardSpec:
-    """``[V, h]`` split as a Linear weight: vocabulary q^2 ways, hidden q ways."""
-    return ShardSpec((num, hidden), ((WEIGHT, INPUT), (OUTPUT,)))
 
 
 class VocabParallelEmbedding3D(_CubeLayer):
@@ -587,9 +507,9 @@ class VocabParallelEmbedding3D(_CubeLayer):
     def __init__(self, num_embeddings: int, embedding_dim: int, *, ctx: ParallelContext | None = None) -> None:
         super().__init__(ctx)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.split = HiddenSplit(embedding_dim, self.cube.q)
         plain = nn.Embedding(num_embeddings, embedding_dim)
-        self.weight = shard_parameter(plain.weight, _vocab_spec(num_embeddings, embedding_dim), self.ctx)
+        spec = weight_spec(num_embeddings, embedding_dim, self.cube.q)
+        self.weight = shard_parameter(plain.weight, spec, self.ctx)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         cube = self.cube
@@ -598,7 +518,7 @@ class VocabParallelEmbedding3D(_CubeLayer):
         ids = _pad_to(ids, 0, -(-ids.shape[0] // cube.q) * cube.q)
         mine = (ids >= start) & (ids < start + rows)
         local = F.embedding(torch.where(mine, ids - start, torch.zeros_like(ids)), self.weight)
-        local = _pad_to(local.masked_fill(~mine.unsqueeze(-1), 0.0), -1, cube.q * self.split.fine)
+        local = local.masked_fill(~mine.unsqueeze(-1), 0.0)  # [B, (s,) q F]: hidden coarse block o
         local = comm.reduce_scatter_forward_all_gather_backward(local, cube.input, -1)
         return comm.reduce_scatter_forward_all_gather_backward(local, cube.weight, 0)
 
@@ -622,15 +542,16 @@ class Classifier3D(_CubeLayer):
     ) -> None:
         super().__init__(ctx)
         self.in_features, self.num_classes = in_features, num_classes
-        self.split = HiddenSplit(in_features, self.cube.q)
         plain = nn.Linear(in_features, num_classes, bias=bias)
-        own = hidden_param(plain.weight, 1, self.split, self.ctx)
-        self.weight = own if weight is None else _check_tied(weight, own, "Classifier3D")
+        spec = hidden_spec((num_classes, in_features), 1)
+        self.weight = (
+            shard_parameter(plain.weight, spec, self.ctx) if weight is None else _tied(weight, spec, "Classifier3D")
+        )
         self.bias = plain.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _check_local(x, self.split, "Classifier3D input")
-        logits = F.linear(x, hidden_local(self.weight, 1, self.split, self.cube))
+        _check_local(x, self.in_features, self.cube, "Classifier3D input")
+        logits = F.linear(x, hidden_local(self.weight, self.cube))
         for group in self.cube.hidden_groups:
             logits = comm.all_reduce_forward_copy_backward(logits, group)
         if self.bias is not None:  # each batch block adds it: sum its gradient over them
@@ -658,34 +579,25 @@ class VocabParallelClassifier3D(_CubeLayer):
     ) -> None:
         super().__init__(ctx)
         self.in_features, self.num_classes = in_features, num_classes
-        self.split = HiddenSplit(in_features, self.cube.q)
         plain = nn.Linear(in_features, num_classes, bias=bias)
+        spec = weight_spec(num_classes, in_features, self.cube.q)
         if weight is None:
-            self.weight = shard_parameter(plain.weight, _vocab_spec(num_classes, in_features), self.ctx)
+            self.weight = shard_parameter(plain.weight, spec, self.ctx)
         else:
-            spec = spec_of(weight)
-            if spec is None or (spec.full_shape, spec.dims) != (
-                (num_classes, in_features),
-                _vocab_spec(num_classes, in_features).dims,
-            ):
-                raise ValueError(
-                    f"VocabParallelClassifier3D: the tied weight has spec {spec}, expected one like "
-                    f"{_vocab_spec(num_classes, in_features)}"
-                )
-            self.weight = weight
+            self.weight = _tied(weight, spec, "VocabParallelClassifier3D")
         self.bias: nn.Parameter | None = None
         if plain.bias is not None:
             spec = ShardSpec((num_classes,), ((OUTPUT, INPUT),))
             self.bias = shard_parameter(plain.bias, spec, self.ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _check_local(x, self.split, "VocabParallelClassifier3D input")
+        _check_local(x, self.in_features, self.cube, "VocabParallelClassifier3D input")
         cube = self.cube
         logits = linear_3d(x, self.weight, cube)
         if self.bias is not None:
             logits = logits + comm.copy_forward_all_reduce_backward(self.bias, cube.weight)
         per = logits.shape[-1]
-        valid = max(0, min(per, self.num_classes - (cube.o * cube.q + cube.n) * per))
+        valid = max(0, min(per, self.num_classes - cube.block * per))
         if valid < per:
             padded = torch.arange(per, device=logits.device) >= valid
             logits = logits.masked_fill(padded, torch.finfo(logits.dtype).min)
@@ -706,23 +618,22 @@ class PatchEmbedding3D(_CubeLayer):
         super().__init__(ctx)
         plain = PatchEmbedding(img_size, patch_size, in_chans, embed_size)
         self.patch_size, self.num_patches, self.embed_size = patch_size, plain.num_patches, embed_size
-        self.split = HiddenSplit(embed_size, self.cube.q)
         assert plain.bias is not None  # a conv with bias
-        self.weight = hidden_param(plain.weight, 0, self.split, self.ctx)
-        self.bias = hidden_param(plain.bias, 0, self.split, self.ctx)
-        self.cls_token = hidden_param(plain.cls_token, 2, self.split, self.ctx)
-        self.pos_embed = hidden_param(plain.pos_embed, 2, self.split, self.ctx)
+        self.weight = hidden_param(plain.weight, 0, self.ctx)
+        self.bias = hidden_param(plain.bias, 0, self.ctx)
+        self.cls_token = hidden_param(plain.cls_token, 2, self.ctx)
+        self.pos_embed = hidden_param(plain.pos_embed, 2, self.ctx)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        cube, split = self.cube, self.split
+        cube = self.cube
         for group in cube.hidden_groups:  # each rank's channels feed back a part of the image grad
             images = comm.copy_forward_all_reduce_backward(images, group)
         images = _pad_to(images, 0, -(-images.shape[0] // cube.q) * cube.q)
         images = comm.split_forward_gather_backward(images, cube.weight, 0)
-        weight, bias = hidden_local(self.weight, 0, split, cube), hidden_local(self.bias, 0, split, cube)
+        weight, bias = hidden_local(self.weight, cube), hidden_local(self.bias, cube)
         x = F.conv2d(images, weight, bias, stride=self.patch_size).flatten(2).transpose(1, 2)
-        cls = hidden_local(self.cls_token, 2, split, cube).expand(x.shape[0], -1, -1)
-        return torch.cat([cls, x], dim=1) + hidden_local(self.pos_embed, 2, split, cube)
+        cls = hidden_local(self.cls_token, cube).expand(x.shape[0], -1, -1)
+        return torch.cat([cls, x], dim=1) + hidden_local(self.pos_embed, cube)
 
     def extra_repr(self) -> str:
         return f"patch_size={self.patch_size}, num_patches={self.num_patches}, embed_size={self.embed_size}"
@@ -779,7 +690,7 @@ class VocabParallelCrossEntropyLoss3D(_CubeLayer):
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         cube = self.cube
         per = logits.shape[-1]
-        start = (cube.o * cube.q + cube.n) * per
+        start = cube.block * per
         valid = per if self.num_classes is None else max(0, min(per, self.num_classes - start))
         targets = batch_block(targets, cube, self.ignore_index).flatten()
         losses = _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets, cube.hidden_groups, start, valid)
