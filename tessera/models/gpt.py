@@ -108,10 +108,11 @@ class GPT(nn.Module):
         if seq > self.config.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.config.max_seq_len}")
         positions = torch.arange(seq, device=idx.device).expand(batch, seq)
-        x = self.dropout(self.tok_emb(idx) + self.pos_emb(positions))
+        x = tnn.enter_sequence_parallel(self.tok_emb(idx) + self.pos_emb(positions))
+        x = self.dropout(x)
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        return self.lm_head(tnn.exit_sequence_parallel(self.ln_f(x)))
 
     def num_parameters(self) -> int:
         """Number of parameter elements of the full model, counting a tied (shared) weight once."""

@@ -29,8 +29,9 @@ class SelfAttention(nn.Module):
         self.out_dropout = tnn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq = x.shape[0], x.shape[1]
-        q, k, v = self.qkv(x).chunk(3, dim=-1)  # each [b, s, local heads * head_dim]
+        qkv = self.qkv(x)  # [b, s, 3 * local heads * head_dim] (whole sequence, also in sequence parallelism)
+        batch, seq = qkv.shape[0], qkv.shape[1]
+        q, k, v = qkv.chunk(3, dim=-1)
         heads = q.shape[-1] // self.head_dim
         q, k, v = (t.reshape(batch, seq, heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         with tnn.split_region_rng():  # attention dropout on this rank's heads

@@ -75,10 +75,10 @@ class ViT(nn.Module):
         load_full_state_dict(self, init_full_state(self, rule))
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = self.dropout(self.patch_embed(images))
+        x = self.dropout(tnn.enter_sequence_parallel(self.patch_embed(images)))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x)[:, 0])
+        return self.head(tnn.exit_sequence_parallel(self.norm(x))[:, 0])
 
     def num_parameters(self) -> int:
         return sum(

@@ -32,6 +32,17 @@ def _is_parallel(ctx: ParallelContext | None) -> bool:
     return ctx is not None and ctx.size("tensor") > 1
 
 
+def _sequence_parallel(ctx: ParallelContext | None) -> bool:
+    """Whether 1D sequence-parallel regions are configured (``parallel.tensor.sequence_parallel``)."""
+    return (
+        _is_parallel(ctx)
+        and ctx is not None
+        and ctx.dims.tensor_mode == "1d"
+        and ctx.config is not None
+        and ctx.config.parallel.tensor.sequence_parallel
+    )
+
+
 def mode_module(ctx: ParallelContext) -> ModuleType:
     """The module implementing ``ctx``'s tensor mode (``tessera.parallel.tensor.tp2d``, ...)."""
     mode = ctx.dims.tensor_mode
@@ -60,7 +71,7 @@ def Linear(
     assert ctx is not None
     if ctx.dims.tensor_mode == "1d":
         mod = mode_module(ctx)
-        seq = ctx.config.parallel.tensor.sequence_parallel if ctx.config is not None else False
+        seq = _sequence_parallel(ctx)
         if input_is_parallel:
             return mod.Linear1D_Row(in_features, out_features, bias, sequence_parallel=seq, ctx=ctx)
         return mod.Linear1D_Col(in_features, out_features, bias, out_groups=out_groups, sequence_parallel=seq, ctx=ctx)
@@ -76,8 +87,9 @@ def LayerNorm(
         return nn.LayerNorm(normalized_shape, eps=eps, bias=bias)
     assert ctx is not None
     if ctx.dims.tensor_mode == "1d":
-        seq = ctx.config.parallel.tensor.sequence_parallel if ctx.config is not None else False
-        return mode_module(ctx).LayerNorm1D(normalized_shape, eps, bias, sequence_parallel=seq, ctx=ctx)
+        return mode_module(ctx).LayerNorm1D(
+            normalized_shape, eps, bias, sequence_parallel=_sequence_parallel(ctx), ctx=ctx
+        )
     return _cls(ctx, "LayerNorm")(normalized_shape, eps, bias, ctx=ctx)
 
 
@@ -148,7 +160,8 @@ def Dropout(p: float = 0.5, *, parallel_input: bool = False, ctx: ParallelContex
         return nn.Dropout(p)
     assert ctx is not None
     if ctx.dims.tensor_mode == "1d":
-        return mode_module(ctx).Dropout1D(p, parallel_input=parallel_input, ctx=ctx)
+        split = parallel_input or _sequence_parallel(ctx)
+        return mode_module(ctx).Dropout1D(p, parallel_input=split, ctx=ctx)
     return _cls(ctx, "Dropout")(p, ctx=ctx)
 
 
@@ -194,6 +207,25 @@ def gather_activation(x: torch.Tensor, ctx: ParallelContext | None = None, full_
     if ctx.dims.tensor_mode == "1d":
         return mod.gather_activation(x, ctx)
     return mod.gather_activation(x, ctx, full_shape=full_shape)
+
+
+def enter_sequence_parallel(x: torch.Tensor, ctx: ParallelContext | None = None) -> torch.Tensor:
+    """Where the transformer blocks begin: with 1D sequence-parallel regions configured, keep this
+    rank's part of the sequence (``[b, s, h] -> [b, s/P, h]``); otherwise ``x`` unchanged."""
+    ctx = _ctx(ctx)
+    if not _sequence_parallel(ctx):
+        return x
+    assert ctx is not None
+    return mode_module(ctx).split_activation(x, ctx, sequence_parallel=True)
+
+
+def exit_sequence_parallel(x: torch.Tensor, ctx: ParallelContext | None = None) -> torch.Tensor:
+    """Where the transformer blocks end: the inverse of :func:`enter_sequence_parallel`."""
+    ctx = _ctx(ctx)
+    if not _sequence_parallel(ctx):
+        return x
+    assert ctx is not None
+    return mode_module(ctx).gather_activation(x, ctx, sequence_parallel=True)
 
 
 def hidden_parts(ctx: ParallelContext | None = None) -> int:

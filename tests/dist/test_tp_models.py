@@ -23,6 +23,7 @@ SEQ = 16
 # (pool size, layout) -- the layouts the issue names
 LAYOUTS = {
     "1d-tp2-dp2": (4, dict(tensor=2, mode="1d", data=2)),
+    "1d-tp2-sp-dp2": (4, dict(tensor=2, mode="1d", data=2, sequence_parallel=True)),
     "2d-tp4": (4, dict(tensor=4, mode="2d")),
     "2.5d-tp8-d2": (8, dict(tensor=8, mode="2.5d", depth=2)),
     "3d-tp8": (8, dict(tensor=8, mode="3d")),
@@ -30,15 +31,24 @@ LAYOUTS = {
 
 
 def config_for(layout: dict) -> dict:
-    tensor = {"size": layout.get("tensor", 1), "mode": layout.get("mode", "1d"), "depth": layout.get("depth", 1)}
+    tensor = {"size": layout.get("tensor", 1), "mode": layout.get("mode", "1d"), "depth": layout.get("depth", 1),
+              "sequence_parallel": layout.get("sequence_parallel", False)}  # fmt: skip
     return {"parallel": {"data": layout.get("data"), "tensor": tensor}}
+
+
+def context_for(layout: dict | None):
+    layout = dict(layout or {})
+    config = config_for(layout)
+    layout.pop("sequence_parallel", None)
+    return use_layout(**layout, config=config)
 
 
 def build(kind: str, **overrides) -> nn.Module:
     torch.manual_seed(0)
     if kind == "gpt":
         return gpt("tiny", vocab_size=64, max_seq_len=SEQ, d_model=32, n_layers=2, n_heads=4, **overrides)
-    return vit("tiny", img_size=16, patch_size=4, d_model=32, n_layers=2, n_heads=4, **overrides)
+    # 12x12 images in 4x4 patches: 9 patches + the class token = 10 tokens, even for sequence parallelism
+    return vit("tiny", img_size=12, patch_size=4, d_model=32, n_layers=2, n_heads=4, **overrides)
 
 
 def dataset(kind: str) -> TensorDataset:
@@ -47,7 +57,7 @@ def dataset(kind: str) -> TensorDataset:
     if kind == "gpt":
         tokens = torch.randint(0, 64, (n, SEQ + 1), generator=g)
         return TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
-    return TensorDataset(torch.randn(n, 3, 16, 16, generator=g), torch.randint(0, 10, (n,), generator=g))
+    return TensorDataset(torch.randn(n, 3, 12, 12, generator=g), torch.randint(0, 10, (n,), generator=g))
 
 
 def criterion(kind: str) -> nn.Module:
@@ -56,7 +66,7 @@ def criterion(kind: str) -> nn.Module:
 
 def train(kind: str, layout: dict | None):
     """Train on every rank of the layout (or in this process with layout None)."""
-    ctx = use_layout(**(layout or {}), config=config_for(layout or {}))
+    ctx = context_for(layout)
     model = build(kind)
     initial = full_state_dict(model)
     # eps well above the rounding noise: a gradient that is zero in exact arithmetic (the key bias of
