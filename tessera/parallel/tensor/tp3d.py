@@ -45,10 +45,10 @@ whatever it is split into: the activations' and the hidden parameters' (split q^
 Linear's out dimension (q^2 ways, per fused part) and its in dimension, split only q ways but
 padded to a multiple of q^2 (``ShardSpec.pad_to``) so that in block ``o`` is the activations'
 coarse block ``o``. So every size works, and a padded unit stays exactly zero: its weights and
-biases are zero, and so its outputs are, and its gradients (LayerNorm masks its padding and
-takes its statistics over the true ``h`` units). The vocabulary of the vocabulary-parallel
-layers is padded likewise (logits ``[b/q, s, ceil(V/q^2)]``, block ``o*q + n``; padded classes
-get the lowest logit).
+biases are zero, so are its outputs, and so are their gradients, the next layer's weights on it
+being zero too (LayerNorm masks its padding and takes its statistics over the true ``h``
+units). The vocabulary of the vocabulary-parallel layers is padded likewise (logits
+``[b/q, s, ceil(V/q^2)]``, block ``o*q + n``; padded classes get the lowest logit).
 
 Other parameters:
 
