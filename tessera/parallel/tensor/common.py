@@ -17,11 +17,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from tessera import comm
+from tessera.comm import AxisGroup
 from tessera.context import ParallelContext
 
 
@@ -148,3 +150,65 @@ def spec_of(tensor: torch.Tensor) -> ShardSpec | None:
 
 def axis_sizes(ctx: ParallelContext, axes: Sequence[str]) -> int:
     return math.prod(ctx.size(a) for a in axes)
+
+
+def local_range(full: int, parts: int, index: int) -> tuple[int, int]:
+    """``(start, valid)``: block ``index`` of a size-``full`` dimension zero-padded to a multiple of
+    ``parts`` starts at ``start`` and holds ``valid`` real (unpadded) entries."""
+    block = round_up(full, parts) // parts
+    start = index * block
+    return start, max(0, min(block, full - start))
+
+
+def check_tied(weight: nn.Parameter, expected: ShardSpec, owner: str) -> nn.Parameter:
+    """``weight`` (a parameter shared with another layer) if it is split as ``expected``."""
+    spec = spec_of(weight)
+    if spec != expected:
+        raise ValueError(f"{owner}: the tied weight has spec {spec}, expected {expected}")
+    return weight
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token CE of logits holding classes ``[start, start + valid)`` of a class dimension split
+    over ``groups``: the max, then the sum of exps and the target logit are all-reduced over them;
+    the backward is local (``softmax - one_hot`` of this block)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, logits: torch.Tensor, targets: torch.Tensor, groups: tuple[AxisGroup, ...], start: int, valid: int
+    ) -> torch.Tensor:
+        x = logits.float()
+        real = torch.arange(x.shape[-1], device=x.device) < valid  # False on padded classes
+        top = x.masked_fill(~real, float("-inf")).amax(dim=-1)
+        for group in groups:
+            comm.all_reduce(top, group, op="max")
+        shifted = x - top.unsqueeze(-1)
+        exp = shifted.exp().masked_fill(~real, 0.0)
+        local = targets - start
+        has_target = (local >= 0) & (local < valid)
+        index = torch.where(has_target, local, torch.zeros_like(local))
+        target_logit = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1).masked_fill(~has_target, 0.0)
+        sums = torch.stack([exp.sum(dim=-1), target_logit])  # one all-reduce for both
+        for group in groups:
+            comm.all_reduce(sums, group)
+        ctx.save_for_backward(exp.div_(sums[0].unsqueeze(-1)), index, has_target)
+        ctx.logits_dtype = logits.dtype
+        return sums[0].log() - sums[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        softmax, index, has_target = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(-1, index.unsqueeze(-1), -has_target.to(grad.dtype).unsqueeze(-1))
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None, None, None
+
+
+def class_parallel_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, groups: Sequence[AxisGroup], start: int, valid: int
+) -> torch.Tensor:
+    """Per-token cross entropy ``[N]`` of ``logits [N, C_local]`` (classes ``[start, start + valid)``
+    of a class dimension split over ``groups``; padded classes ignored) against full ``targets [N]``.
+    Every vocabulary-parallel loss of every mode is this."""
+    loss: torch.Tensor = _VocabParallelCrossEntropy.apply(logits, targets, tuple(groups), start, valid)
+    return loss

@@ -24,8 +24,6 @@ computes the same loss); a split tensor carries the gradient of its part.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,7 +32,14 @@ from tessera import comm
 from tessera.comm import AxisGroup
 from tessera.context import ParallelContext, get_context
 from tessera.nn.plain import PatchEmbedding
-from tessera.parallel.tensor.common import ShardSpec, round_up, shard_parameter, spec_of
+from tessera.parallel.tensor.common import (
+    ShardSpec,
+    check_tied,
+    class_parallel_cross_entropy,
+    local_range,
+    round_up,
+    shard_parameter,
+)
 
 TENSOR = "tensor"
 SEQ_DIM = 1  # the sequence dimension of [batch, seq, hidden] activations
@@ -69,14 +74,6 @@ __all__ = [
 
 def _context(ctx: ParallelContext | None) -> ParallelContext:
     return ctx if ctx is not None else get_context()
-
-
-def local_range(full: int, parts: int, index: int) -> tuple[int, int]:
-    """``(start, valid)``: block ``index`` of a size-``full`` dimension zero-padded to a multiple of
-    ``parts`` starts at ``start`` and holds ``valid`` real (unpadded) entries."""
-    block = round_up(full, parts) // parts
-    start = index * block
-    return start, max(0, min(block, full - start))
 
 
 def _check_sequence_split(x: torch.Tensor, parts: int, what: str) -> None:
@@ -182,45 +179,6 @@ def vocab_parallel_embedding(
     return comm.all_reduce_forward_copy_backward(out, group)
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token CE of class-split logits: forward all-reduces the max, then the sum of exps
-    and the target logit together; backward is local: ``softmax - one_hot`` of this rank's part."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        logits: torch.Tensor,
-        targets: torch.Tensor,
-        group: AxisGroup,
-        class_start: int,
-        valid: int,
-    ) -> torch.Tensor:
-        local_classes = logits.shape[-1]
-        x = logits.float()
-        real = torch.arange(local_classes, device=x.device) < valid  # False on padded classes
-        local_max = x.masked_fill(~real, float("-inf")).amax(dim=-1)
-        global_max = comm.all_reduce(local_max, group, op="max")
-        shifted = x - global_max.unsqueeze(-1)
-        exp = shifted.exp().masked_fill(~real, 0.0)
-        local_target = targets - class_start
-        has_target = (local_target >= 0) & (local_target < valid)
-        index = torch.where(has_target, local_target, torch.zeros_like(local_target))
-        target_logit = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1).masked_fill(~has_target, 0.0)
-        sums = comm.all_reduce(torch.stack([exp.sum(dim=-1), target_logit]), group)
-        sum_exp, target_logit = sums[0], sums[1]
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), index, has_target)
-        ctx.logits_dtype = logits.dtype
-        return sum_exp.log() - target_logit
-
-    @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
-        softmax, index, has_target = ctx.saved_tensors
-        grad = softmax.clone()
-        grad.scatter_add_(-1, index.unsqueeze(-1), -has_target.to(grad.dtype).unsqueeze(-1))
-        grad.mul_(grad_loss.unsqueeze(-1))
-        return grad.to(ctx.logits_dtype), None, None, None, None
-
-
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -235,8 +193,7 @@ def vocab_parallel_cross_entropy(
             f"vocab-parallel cross entropy: {logits.shape[-1]} local classes do not fit {num_classes} "
             f"classes split {group.size} ways"
         )
-    loss: torch.Tensor = _VocabParallelCrossEntropy.apply(logits, targets, group, start, valid)
-    return loss
+    return class_parallel_cross_entropy(logits, targets, (group,), start, valid)
 
 
 # ---- boundary helpers ----------------------------------------------------------------------
@@ -266,13 +223,6 @@ def gather_activation(
     if not sequence_parallel:
         return x_local
     return comm.gather_forward_split_backward(x_local, _context(ctx).group(TENSOR), dim=SEQ_DIM)
-
-
-def _check_tied(weight: nn.Parameter, expected: ShardSpec, owner: str) -> nn.Parameter:
-    spec = spec_of(weight)
-    if spec is None or spec.full_shape != expected.full_shape or spec.dims != expected.dims:
-        raise ValueError(f"{owner}: the tied weight has spec {spec}, expected one like {expected}")
-    return weight
 
 
 # ---- layers --------------------------------------------------------------------------------
@@ -479,7 +429,7 @@ class Classifier1D(nn.Module):
         if weight is None:
             self.weight = shard_parameter(plain.weight, spec, self.ctx)
         else:
-            self.weight = _check_tied(weight, spec, "Classifier1D")
+            self.weight = check_tied(weight, spec, "Classifier1D")
         self.bias = plain.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -514,7 +464,7 @@ class VocabParallelClassifier1D(nn.Module):
         if weight is None:
             self.weight = shard_parameter(plain.weight, spec, self.ctx)
         else:
-            self.weight = _check_tied(weight, spec, "VocabParallelClassifier1D")
+            self.weight = check_tied(weight, spec, "VocabParallelClassifier1D")
         self.bias: nn.Parameter | None = None
         if plain.bias is not None:
             self.bias = shard_parameter(plain.bias, ShardSpec((num_classes,), ((TENSOR,),)), self.ctx)

@@ -47,7 +47,14 @@ from tessera.comm import AxisGroup
 from tessera.context import ParallelContext, get_context
 from tessera.nn.plain import PatchEmbedding
 from tessera.parallel.tensor import summa
-from tessera.parallel.tensor.common import ShardSpec, round_up, shard_parameter, spec_of
+from tessera.parallel.tensor.common import (
+    ShardSpec,
+    check_tied,
+    class_parallel_cross_entropy,
+    local_range,
+    round_up,
+    shard_parameter,
+)
 from tessera.parallel.tensor.summa import SummaGrid, sum_grad_over
 
 __all__ = [
@@ -185,13 +192,6 @@ def classifier(
     return logits
 
 
-def local_range(full: int, parts: int, index: int) -> tuple[int, int]:
-    """``(start, valid)`` of block ``index`` of a size-``full`` dimension zero-padded to a multiple
-    of ``parts``: where it starts and how many real (unpadded) entries it holds."""
-    block = round_up(full, parts) // parts
-    return index * block, max(0, min(block, full - index * block))
-
-
 def mask_padded_classes(logits: torch.Tensor, num_classes: int, grid: SummaGrid) -> torch.Tensor:
     """Class-split logits ``[..., C/q]`` (block j) with padded classes at the dtype's lowest value."""
     _, valid = local_range(num_classes, grid.q, grid.j)
@@ -221,37 +221,6 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
     return mean_over_batch(local, (t != ignore_index).sum(), grid)
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token CE of logits split over the classes along ``group``: forward all-reduces the
-    row max, then the sum of exps and the target logit together; backward is local
-    (``softmax - one_hot`` of this rank's classes)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, logits: torch.Tensor, targets: torch.Tensor, group: AxisGroup, start: int, valid: int
-    ) -> torch.Tensor:
-        x = logits.float()
-        real = torch.arange(x.shape[-1], device=x.device) < valid
-        x = x.masked_fill(~real, float("-inf"))  # padded classes: no probability
-        row_max = comm.all_reduce(x.amax(dim=-1), group, op="max")
-        shifted = x - row_max.unsqueeze(-1)
-        exp = shifted.exp()
-        local_target = targets - start
-        mine = (local_target >= 0) & (local_target < valid)
-        index = torch.where(mine, local_target, torch.zeros_like(local_target))
-        target_logit = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
-        sum_exp, target_logit = comm.all_reduce(torch.stack([exp.sum(dim=-1), target_logit]), group)
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), index, mine)
-        ctx.logits_dtype = logits.dtype
-        return sum_exp.log() - target_logit
-
-    @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
-        softmax, index, mine = ctx.saved_tensors
-        grad = softmax.scatter_add(-1, index.unsqueeze(-1), -mine.to(softmax.dtype).unsqueeze(-1))
-        return (grad * grad_loss.unsqueeze(-1)).to(ctx.logits_dtype), None, None, None, None
-
-
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor, targets: torch.Tensor, num_classes: int, group: AxisGroup
 ) -> torch.Tensor:
@@ -263,8 +232,7 @@ def vocab_parallel_cross_entropy(
             f"vocab-parallel cross entropy: {logits.shape[-1]} local classes do not fit {num_classes} "
             f"classes split {group.size} ways"
         )
-    loss: torch.Tensor = _VocabParallelCrossEntropy.apply(logits, targets, group, start, valid)
-    return loss
+    return class_parallel_cross_entropy(logits, targets, (group,), start, valid)
 
 
 def vocab_parallel_loss(
@@ -285,13 +253,6 @@ def patch_embedding(
     weight, bias, cls_token, pos_embed = (sum_grad_over(p, *grid.weight_replicas) for p in params)
     x = F.conv2d(summa.batch_block(images, grid), weight, bias, stride=patch_size).flatten(2).transpose(1, 2)
     return torch.cat([cls_token.expand(x.shape[0], -1, -1), x], dim=1) + pos_embed
-
-
-def _check_tied(weight: nn.Parameter, expected: ShardSpec, owner: str) -> nn.Parameter:
-    spec = spec_of(weight)
-    if spec is None or spec.full_shape != expected.full_shape or spec.dims != expected.dims:
-        raise ValueError(f"{owner}: the tied weight has spec {spec}, expected {expected}")
-    return weight
 
 
 # ---- layers ----------------------------------------------------------------------------------
@@ -433,7 +394,7 @@ class Classifier2D(_GridLayer):
         if weight is None:
             self.weight = shard_parameter(plain.weight, spec, self.ctx)
         else:
-            self.weight = _check_tied(weight, spec, type(self).__name__)
+            self.weight = check_tied(weight, spec, type(self).__name__)
         self.bias = nn.Parameter(plain.bias.detach().clone()) if plain.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -463,7 +424,7 @@ class VocabParallelClassifier2D(Linear2D):
         self.num_classes = num_classes
         if weight is not None:
             expected = summa_weight_spec(self.grid, num_classes, in_features)
-            self.weight = _check_tied(weight, expected, type(self).__name__)
+            self.weight = check_tied(weight, expected, type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return mask_padded_classes(super().forward(x), self.num_classes, self.grid)

@@ -77,7 +77,12 @@ from tessera import comm
 from tessera.comm import AxisGroup
 from tessera.context import ParallelContext, get_context
 from tessera.nn.plain import PatchEmbedding
-from tessera.parallel.tensor.common import ShardSpec, shard_parameter, spec_of
+from tessera.parallel.tensor.common import (
+    ShardSpec,
+    check_tied,
+    class_parallel_cross_entropy,
+    shard_parameter,
+)
 
 __all__ = [
     "Classifier3D",
@@ -224,13 +229,6 @@ def hidden_local(param: torch.Tensor, cube: Cube) -> torch.Tensor:
     return comm.copy_forward_all_reduce_backward(param, cube.weight)
 
 
-def _tied(weight: nn.Parameter, expected: ShardSpec, owner: str) -> nn.Parameter:
-    """``weight`` if it is laid out as the layer's own weight would be."""
-    if spec_of(weight) != expected:
-        raise ValueError(f"{owner}: the tied weight has spec {spec_of(weight)}, expected {expected}")
-    return weight
-
-
 # ---- functional core ---------------------------------------------------------------------------
 
 
@@ -321,42 +319,6 @@ def mean_over_batch(local_sum: torch.Tensor, local_count: torch.Tensor, cube: Cu
     total = comm.all_reduce_forward_copy_backward(local_sum, cube.weight)
     count = comm.all_reduce(local_count.to(total.dtype), cube.weight)
     return total / count
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token CE ``[N]`` of logits ``[N, B]`` holding classes ``[start, start + valid)`` of a
-    class dimension split over ``groups``: the max, then the sum of exps and the target logit are
-    all-reduced over them; the backward is local (``softmax - one_hot`` of this block)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, logits: torch.Tensor, targets: torch.Tensor, groups: tuple[AxisGroup, ...], start: int, valid: int
-    ) -> torch.Tensor:
-        x = logits.float()
-        real = torch.arange(x.shape[-1], device=x.device) < valid
-        top = x.masked_fill(~real, float("-inf")).amax(dim=-1)
-        for group in groups:
-            comm.all_reduce(top, group, op="max")
-        shifted = x - top.unsqueeze(-1)
-        exp = shifted.exp().masked_fill(~real, 0.0)
-        local = targets - start
-        has_target = (local >= 0) & (local < valid)
-        index = torch.where(has_target, local, torch.zeros_like(local))
-        target_logit = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1).masked_fill(~has_target, 0.0)
-        sums = torch.stack([exp.sum(dim=-1), target_logit])
-        for group in groups:
-            comm.all_reduce(sums, group)
-        ctx.save_for_backward(exp.div_(sums[0].unsqueeze(-1)), index, has_target)
-        ctx.logits_dtype = logits.dtype
-        return sums[0].log() - sums[1]
-
-    @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
-        softmax, index, has_target = ctx.saved_tensors
-        grad = softmax.clone()
-        grad.scatter_add_(-1, index.unsqueeze(-1), -has_target.to(grad.dtype).unsqueeze(-1))
-        grad.mul_(grad_loss.unsqueeze(-1))
-        return grad.to(ctx.logits_dtype), None, None, None, None
 
 
 # ---- boundary helpers ------------------------------------------------------------------------
@@ -545,7 +507,9 @@ class Classifier3D(_CubeLayer):
         plain = nn.Linear(in_features, num_classes, bias=bias)
         spec = hidden_spec((num_classes, in_features), 1)
         self.weight = (
-            shard_parameter(plain.weight, spec, self.ctx) if weight is None else _tied(weight, spec, "Classifier3D")
+            shard_parameter(plain.weight, spec, self.ctx)
+            if weight is None
+            else check_tied(weight, spec, "Classifier3D")
         )
         self.bias = plain.bias
 
@@ -584,7 +548,7 @@ class VocabParallelClassifier3D(_CubeLayer):
         if weight is None:
             self.weight = shard_parameter(plain.weight, spec, self.ctx)
         else:
-            self.weight = _tied(weight, spec, "VocabParallelClassifier3D")
+            self.weight = check_tied(weight, spec, "VocabParallelClassifier3D")
         self.bias: nn.Parameter | None = None
         if plain.bias is not None:
             spec = ShardSpec((num_classes,), ((OUTPUT, INPUT),))
@@ -693,6 +657,6 @@ class VocabParallelCrossEntropyLoss3D(_CubeLayer):
         start = cube.block * per
         valid = per if self.num_classes is None else max(0, min(per, self.num_classes - start))
         targets = batch_block(targets, cube, self.ignore_index).flatten()
-        losses = _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets, cube.hidden_groups, start, valid)
+        losses = class_parallel_cross_entropy(logits.flatten(0, -2), targets, cube.hidden_groups, start, valid)
         kept = targets != self.ignore_index
         return mean_over_batch(torch.where(kept, losses, torch.zeros_like(losses)).sum(), kept.sum(), cube)
