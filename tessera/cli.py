@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=_cmd_check)
 
     bench = sub.add_parser("bench", help="benchmarks against the anchor systems, measured in the same run")
-    bench.add_argument("target", help="what to measure")
+    bench.add_argument("target", choices=sorted(BENCH_TARGETS), help="what to measure: %(choices)s")
     bench.add_argument("--out", default=None, help="write the rows as JSON to this file")
     bench.add_argument("--ranks", type=int, default=None, help="world size (default: the benchmark's own)")
     bench.set_defaults(func=_cmd_bench)
