@@ -1,6 +1,10 @@
 """Pipeline parallelism. Schedules are data: ``schedules.py`` builds one action list per rank
 (GPipe, 1F1B, interleaved 1F1B, ZB-H1); ``simulate.py`` checks them and runs them on paper,
-finding deadlocks, bubbles and peak activations. Neither needs torch or processes."""
+finding deadlocks, bubbles and peak activations. Neither needs torch or processes.
+
+``partition.py`` cuts a model's blocks into stages; ``runtime.py`` executes a rank's action list
+on its chunks with batched point-to-point transfers through ``tessera.comm`` (import them from
+their modules: they need torch)."""
 
 from tessera.parallel.pipeline.schedules import (
     SCHEDULES,

@@ -1,0 +1,235 @@
+"""Running a pipeline schedule: one rank walks its action list for one optimizer step.
+
+:func:`build_chunks` cuts this rank's model chunks out of the blocks; :class:`PipelineRuntime`
+runs the rank's list from :func:`~tessera.parallel.pipeline.build_schedule`. Each compute action
+is one small method (a dispatch table from :class:`Kind`); each maximal run of adjacent transfers
+is posted as one batched p2p through :mod:`tessera.comm`, in list order, as the schedule's
+deadlock argument requires (``docs/pipeline.md``, "For runtime authors").
+
+Receive buffers need shapes. The first activation sent across a chunk boundary is preceded by a
+small header (int64 ``[8]``: ndim, dtype code, dims) in a batch of its own, just before the data
+batch; both sides cache the shape per boundary and later steps send data only (activations of a
+boundary have the same shape for every micro-batch). The header batch pairs with the partner's
+header batch exactly as the data batches pair, so it adds no new wait to the schedule's order. A gradient buffer takes the shape of the
+output it is the gradient of, which the receiving rank made itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from tessera import comm
+from tessera.comm.group import AxisGroup
+from tessera.parallel.pipeline.partition import chunk_ranges
+from tessera.parallel.pipeline.schedules import Action, Kind
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Key = tuple[int, int]  # (chunk, micro-batch)
+
+_HEADER_SIZE = 8  # ndim, dtype code, up to 6 dims
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool)
+
+
+def build_chunks(blocks: Sequence[nn.Module], boundaries: list[int], chunk_ids: list[int]) -> dict[int, nn.Module]:
+    """``{chunk: nn.Sequential of its blocks}`` for the chunks in ``chunk_ids``, cut from
+    ``blocks`` at ``boundaries`` (``len(boundaries) + 1`` parts, :func:`chunk_ranges`). The
+    modules are shared with ``blocks``, not copied."""
+    ranges = chunk_ranges(boundaries, len(blocks))
+    return {c: nn.Sequential(*[blocks[k] for k in range(*ranges[c])]) for c in chunk_ids}
+
+
+def _encode_header(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dim() > _HEADER_SIZE - 2:
+        raise ValueError(f"pipeline activations may have at most {_HEADER_SIZE - 2} dims, got {tuple(tensor.shape)}")
+    if tensor.dtype not in _DTYPES:
+        raise ValueError(f"pipeline activations of dtype {tensor.dtype} are not supported; use one of {_DTYPES}")
+    header = torch.zeros(_HEADER_SIZE, dtype=torch.int64)
+    header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
+    header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    return header
+
+
+def _decode_header(header: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
+    ndim, code = int(header[0]), int(header[1])
+    return torch.Size(int(d) for d in header[2 : 2 + ndim]), _DTYPES[code]
+
+
+class PipelineRuntime:
+    """Runs this rank's ``actions`` (one rank's list of a schedule) over its ``chunks``.
+
+    ``chunks`` maps every chunk the actions name to its module; ``num_chunks`` is ``p * v``;
+    ``loss_fn(output, target)`` gives the loss of one micro-batch on the last chunk; ``group`` is
+    the pipeline group (an action's ``peer`` indexes it). Parameter gradients accumulate into
+    ``.grad``; the caller zeroes them and steps the optimizer.
+    """
+
+    def __init__(
+        self,
+        chunks: dict[int, nn.Module],
+        actions: list[Action],
+        num_chunks: int,
+        loss_fn: LossFn,
+        group: AxisGroup,
+    ) -> None:
+        missing = sorted({a.chunk for a in actions} - set(chunks))
+        if missing:
+            raise ValueError(f"actions name chunks {missing} that this rank does not hold (holds {sorted(chunks)})")
+        self.chunks, self.actions, self.num_chunks = chunks, actions, num_chunks
+        self.loss_fn, self.group = loss_fn, group
+        self._device = next((p.device for c in chunks.values() for p in c.parameters()), torch.device("cpu"))
+        self.num_microbatches = 1 + max((a.microbatch for a in actions), default=-1)
+        self._dispatch: dict[Kind, Callable[[Action], None]] = {
+            Kind.FORWARD: self._forward,
+            Kind.BACKWARD: self._backward,
+            Kind.BACKWARD_INPUT: self._backward_input,
+            Kind.BACKWARD_WEIGHT: self._backward_weight,
+        }
+        # Shape cache, kept across steps. Keyed by boundary: the chunk on the sending side.
+        self._announced: set[int] = set()  # boundaries whose header this rank has sent
+        self._act_meta: dict[int, tuple[torch.Size, torch.dtype]] = {}  # boundaries whose header it received
+        self._reset_step([], [])
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
+        """Run one step of ``m`` micro-batches: ``inputs[i]`` feeds chunk 0, ``targets[i]`` the loss
+        of the last chunk (other ranks may pass anything, e.g. empty lists). Returns the sum of the
+        micro-batch losses, each divided by ``m`` (the step's mean loss), on every pipeline rank."""
+        self._reset_step(inputs, targets)
+        transfers: list[Action] = []
+        for action in self.actions:
+            if action.kind.is_compute:
+                self._post(transfers)
+                transfers = []
+                self._dispatch[action.kind](action)
+            else:
+                transfers.append(action)
+        self._post(transfers)
+        leftover = [name for name, held in self._held().items() if held]
+        total = torch.tensor([self._loss_sum], dtype=torch.float64)
+        self._reset_step([], [])
+        if leftover:
+            raise RuntimeError(f"pipeline step ended with state still held: {', '.join(leftover)}")
+        return float(comm.all_reduce(total, self.group)[0])
+
+    def _reset_step(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+        self._inputs, self._targets = inputs, targets
+        self._saved: dict[Key, tuple[torch.Tensor, torch.Tensor]] = {}  # (input, output or loss) of a forward
+        self._for_weight: dict[Key, tuple[torch.Tensor, torch.Tensor | None]] = {}  # (output, its grad) after B
+        self._act_in: dict[Key, torch.Tensor] = {}  # input activation of (chunk, mb), received or local
+        self._grad_in: dict[Key, torch.Tensor] = {}  # gradient of (chunk, mb)'s output
+        self._grad_out: dict[Key, torch.Tensor] = {}  # gradient of (chunk, mb)'s input, to send
+        self._loss_sum = 0.0
+
+    def _held(self) -> dict[str, int]:
+        return {
+            "saved activations": len(self._saved),
+            "outputs waiting for W": len(self._for_weight),
+            "input activations": len(self._act_in),
+            "output gradients": len(self._grad_in),
+            "input gradients": len(self._grad_out),
+        }
+
+    # ---- compute ---------------------------------------------------------------------------
+
+    def _forward(self, action: Action) -> None:
+        c, i = action.chunk, action.microbatch
+        x = self._inputs[i] if c == 0 else self._act_in.pop((c, i))
+        out = self.chunks[c](x)
+        if c == self.num_chunks - 1:
+            out = self.loss_fn(out, self._targets[i]) / self.num_microbatches
+            self._loss_sum += float(out.detach())
+        elif c + 1 in self.chunks:  # neighbour on this rank (only with p = 1): no transfer
+            self._act_in[(c + 1, i)] = out.detach().requires_grad_(True)
+        self._saved[(c, i)] = (x, out)
+
+    def _backward(self, action: Action) -> None:
+        key = action.chunk, action.microbatch
+        x, out = self._saved.pop(key)
+        torch.autograd.backward(out, self._grad_in.pop(key, None))
+        if action.chunk > 0:
+            self._deliver_input_grad(action, x.grad)
+
+    def _backward_input(self, action: Action) -> None:
+        key = action.chunk, action.microbatch
+        x, out = self._saved.pop(key)
+        grad = self._grad_in.pop(key, None)
+        if action.chunk > 0:
+            (x_grad,) = torch.autograd.grad(out, x, grad, retain_graph=True)
+            self._deliver_input_grad(action, x_grad)
+        self._for_weight[key] = (out, grad)
+
+    def _backward_weight(self, action: Action) -> None:
+        out, grad = self._for_weight.pop((action.chunk, action.microbatch))
+        params = [p for p in self.chunks[action.chunk].parameters() if p.requires_grad]
+        # Correctness over speed: this walks the retained graph from the output again, so the
+        # part of the backward shared by input and weight gradients is computed twice.
+        torch.autograd.backward(out, grad, inputs=params)
+
+    def _deliver_input_grad(self, action: Action, grad: torch.Tensor | None) -> None:
+        if grad is None:
+            raise RuntimeError(f"{action}: the chunk's output does not depend on its input")
+        c, i = action.chunk, action.microbatch
+        if c - 1 in self.chunks:  # neighbour on this rank (only with p = 1): no transfer
+            self._grad_in[(c - 1, i)] = grad
+        else:
+            self._grad_out[(c, i)] = grad
+
+    # ---- transfers -------------------------------------------------------------------------
+
+    def _post(self, transfers: list[Action]) -> None:
+        """Post one run of adjacent transfers as one batch (headers, if any, in a batch just before)."""
+        if not transfers:
+            return
+        self._exchange_headers(transfers)
+        ops, received = [], []
+        for action in transfers:
+            tensor = self._transfer_tensor(action)
+            kind = "send" if action.kind.is_send else "recv"
+            ops.append(comm.P2POp(kind, tensor, self.group, self._peer(action)))
+            if not action.kind.is_send:
+                received.append((action, tensor))
+        comm.batch_p2p(ops)
+        for action, tensor in received:
+            key = action.chunk, action.microbatch
+            if action.kind is Kind.RECV_ACT:
+                self._act_in[key] = tensor.requires_grad_(True)
+            else:
+                self._grad_in[key] = tensor
+
+    def _exchange_headers(self, transfers: list[Action]) -> None:
+        ops: list[comm.P2POp] = []
+        incoming: dict[int, torch.Tensor] = {}  # boundary -> header buffer
+        for action in transfers:
+            if action.kind is Kind.SEND_ACT and action.chunk not in self._announced:
+                self._announced.add(action.chunk)
+                header = _encode_header(self._saved[(action.chunk, action.microbatch)][1]).to(self._device)
+                ops.append(comm.P2POp("send", header, self.group, self._peer(action)))
+            elif action.kind is Kind.RECV_ACT and action.chunk - 1 not in {*self._act_meta, *incoming}:
+                header = torch.zeros(_HEADER_SIZE, dtype=torch.int64, device=self._device)
+                ops.append(comm.P2POp("recv", header, self.group, self._peer(action)))
+                incoming[action.chunk - 1] = header
+        comm.batch_p2p(ops)
+        for boundary, header in incoming.items():
+            self._act_meta[boundary] = _decode_header(header)
+
+    def _transfer_tensor(self, action: Action) -> torch.Tensor:
+        """The tensor to send, or a fresh buffer to receive into."""
+        key = action.chunk, action.microbatch
+        if action.kind is Kind.SEND_ACT:
+            return self._saved[key][1].detach().contiguous()
+        if action.kind is Kind.SEND_GRAD:
+            return self._grad_out.pop(key).contiguous()
+        if action.kind is Kind.RECV_ACT:
+            shape, dtype = self._act_meta[action.chunk - 1]
+            return torch.empty(shape, dtype=dtype, device=self._device)
+        output = self._saved[key][1]  # RECV_GRAD: the gradient of an output this rank made
+        return torch.empty_like(output, memory_format=torch.contiguous_format)
+
+    def _peer(self, action: Action) -> int:
+        if action.peer is None:
+            raise ValueError(f"transfer {action} names no peer")
+        return action.peer
