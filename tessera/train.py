@@ -89,7 +89,9 @@ def run(cfg: Config, run_dir: Path) -> list[dict[str, Any]]:
     train_dl = DataLoader(train_set, batch_size=micro, shuffle=cfg.data.shuffle, drop_last=True)
     eval_dl = DataLoader(eval_set, batch_size=micro)
     optimizer = build_optimizer(model, cfg.optimizer)
-    per_epoch = len(train_set) // (micro * ctx.size("data") * cfg.gradient_accumulation)
+    pipeline = cfg.parallel.pipeline
+    per_step = (pipeline.microbatches or pipeline.size) if pipeline.size > 1 else cfg.gradient_accumulation
+    per_epoch = len(train_set) // (micro * ctx.size("data") * per_step)
     total = cfg.trainer.steps or cfg.trainer.epochs * per_epoch
     scheduler = lr_schedule(optimizer, total, cfg.schedule.warmup_steps, cfg.schedule.decay, cfg.schedule.min_lr_ratio)
     engine, train_loader, eval_loader, scheduler = tessera.initialize(
@@ -102,7 +104,7 @@ def run(cfg: Config, run_dir: Path) -> list[dict[str, Any]]:
         (run_dir / "config.json").write_text(json.dumps(resolved, indent=2) + "\n")
         print(
             f"tessera train: {cfg.model.name}-{cfg.model.preset} ({model.num_parameters():,} parameters) on "
-            f"{ctx.world_size} rank(s), {total} steps of {micro * ctx.size('data') * cfg.gradient_accumulation} "
+            f"{ctx.world_size} rank(s), {total} steps of {micro * ctx.size('data') * per_step} "
             f"x {seq_len} tokens; run folder {run_dir}",
             file=sys.stderr,
             flush=True,

@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from tessera.context import get_context
+from tessera import comm
+from tessera.context import get_context, has_context
 from tessera.parallel.tensor.common import gather_full, local_shard, spec_of
 
 
@@ -40,14 +41,23 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     gathered: dict[int, torch.Tensor] = {}  # tied parameters are gathered once
     for key, tensor in _named_tensors(module).items():
-        spec = spec_of(tensor)
-        if spec is None:
-            out[key] = tensor.detach().to("cpu", copy=True)
-            continue
         if id(tensor) not in gathered:
-            gathered[id(tensor)] = gather_full(tensor.detach(), spec, get_context()).to("cpu", copy=True)
+            gathered[id(tensor)] = _full_tensor(tensor).to("cpu", copy=True)
         out[key] = gathered[id(tensor)]
     return out
+
+
+def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The full value of one parameter: gathered over the tensor axes that split it, and fetched
+    from the pipeline stage that trains it."""
+    full = tensor.detach()
+    spec = spec_of(tensor)
+    if spec is not None:
+        full = gather_full(full, spec, get_context())
+    owner = getattr(tensor, "tessera_pipeline_owner", None)
+    if owner is not None and has_context() and get_context().size("pipeline") > 1:
+        full = comm.broadcast(full.clone(), get_context().group("pipeline"), src=owner)
+    return full
 
 
 def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:

@@ -61,6 +61,7 @@ class Engine:
         ctx: ParallelContext,
         config: Config,
         module: nn.Module | None = None,
+        pipeline: Any = None,
     ) -> None:
         self.model = model
         self.module = module if module is not None else model
@@ -83,6 +84,8 @@ class Engine:
                 backoff_factor=mp.backoff_factor,
                 min_scale=mp.min_scale,
             )
+        self.pipeline = pipeline  # a PipelineStage when the layout has pipeline stages
+        self._synced_at = -1  # the step at which every rank last received every stage's weights
         self.micro_step = 0  # micro-steps since the last optimizer step
         self.global_step = 0  # optimizer steps taken or skipped
         self.last_grad_norm: float | None = None
@@ -101,6 +104,11 @@ class Engine:
         self.model.eval()
 
     @property
+    def micro_batches_per_step(self) -> int:
+        """Micro-batches one optimizer step consumes: the pipeline's, else the accumulation steps."""
+        return self.pipeline.microbatches if self.pipeline is not None else self.accumulation
+
+    @property
     def is_final_micro_step(self) -> bool:
         return self.micro_step == self.accumulation - 1
 
@@ -111,6 +119,15 @@ class Engine:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Forward pass under autocast; gradients sync only on the final micro-step."""
+        if self.pipeline is not None:
+            if torch.is_grad_enabled():
+                raise TesseraError(
+                    "with pipeline stages the engine trains whole steps: call engine.train_batch(data_iter) "
+                    "(each item one micro-batch of (inputs, targets)); engine(x) is for evaluation under no_grad"
+                )
+            self._sync_pipeline_weights()
+            with autocast(self.precision, self.ctx.device):
+                return self.module(*args, **kwargs)
         if hasattr(self.model, "require_backward_grad_sync"):
             self.model.require_backward_grad_sync = self.is_final_micro_step or not torch.is_grad_enabled()  # type: ignore[assignment]
         with autocast(self.precision, self.ctx.device):
@@ -135,6 +152,10 @@ class Engine:
             self.micro_step += 1
             return False
         self.micro_step = 0
+        return self._apply_gradients()
+
+    def _apply_gradients(self) -> bool:
+        """Unscale and check overflow (fp16), clip, and step the optimizer; counts the step."""
         self.global_step += 1
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         if self.scaler is not None:
@@ -174,6 +195,8 @@ class Engine:
         the global batch, as one process would compute it. Its reduction starts as soon as the
         last forward is done and overlaps the backward pass and the optimizer step.
         """
+        if self.pipeline is not None:
+            return self._train_pipeline_batch(data_iter)
         self.zero_grad()
         total = torch.zeros((), device=self.ctx.device)
         pending = None
@@ -188,6 +211,43 @@ class Engine:
             self.step()
         assert pending is not None
         return float(pending.wait()) / self.ctx.size("data")
+
+    def _train_pipeline_batch(self, data_iter: Iterator[Any]) -> float:
+        """One optimizer step through the pipeline schedule over ``microbatches`` items of
+        ``data_iter``; gradients are then averaged over the data axis in one all-reduce."""
+        self.optimizer.zero_grad(set_to_none=True)
+        batches = [
+            _split_batch(_to_device(next(data_iter), self.ctx.device)) for _ in range(self.pipeline.microbatches)
+        ]
+        with autocast(self.precision, self.ctx.device):
+            loss = self.pipeline.step(batches)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"non-finite loss {loss} at step {self.global_step} in {self.precision}")
+        self._average_over_data([p for p in self.module.parameters() if p.grad is not None])
+        self._apply_gradients()
+        return self.mean_over_data(loss)
+
+    def _sync_pipeline_weights(self) -> None:
+        """Give every rank the current weights of every stage (collective), once per step, so a
+        forward pass for evaluation can run the whole model on each rank."""
+        if self._synced_at == self.global_step:
+            return
+        from tessera.checkpoint import full_state_dict, load_full_state_dict
+
+        load_full_state_dict(self.module, full_state_dict(self.module))
+        self._synced_at = self.global_step
+
+    def _average_over_data(self, params: list[nn.Parameter]) -> None:
+        group = self.ctx.group("data")
+        if group.size == 1 or not params:
+            return
+        flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
+        comm.all_reduce(flat, group, op="avg")
+        offset = 0
+        for p in params:
+            assert p.grad is not None
+            p.grad.copy_(flat[offset : offset + p.grad.numel()].view_as(p.grad))
+            offset += p.grad.numel()
 
     @torch.no_grad()
     def eval_batch(self, data_iter: Iterator[Any]) -> tuple[float, Any]:

@@ -57,7 +57,7 @@ class LRSchedulerHook(Hook):
 
 class ThroughputHook(Hook):
     """Adds ``step_time_s``, ``samples_per_s`` and (given ``tokens_per_sample``) ``tokens_per_s``
-    for the global batch: per-rank micro-batch x data-parallel ranks x accumulation steps."""
+    for the global batch: per-rank micro-batch x data-parallel ranks x micro-batches per step."""
 
     priority = 20
 
@@ -72,7 +72,7 @@ class ThroughputHook(Hook):
         elapsed = time.perf_counter() - self._start
         loader = trainer.train_dataloader
         micro = loader.batch_size if loader is not None and loader.batch_size else 0
-        samples = micro * trainer.engine.ctx.size("data") * trainer.engine.accumulation
+        samples = micro * trainer.engine.ctx.size("data") * trainer.engine.micro_batches_per_step
         trainer.metrics["step_time_s"] = elapsed
         trainer.metrics["samples_per_s"] = samples / elapsed if elapsed > 0 else float("nan")
         if self.tokens_per_sample is not None:

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 from tessera.config import require_available
 from tessera.context import ParallelContext, get_context
 from tessera.engine.engine import Engine
+from tessera.errors import ConfigError, NotAvailableError
 from tessera.parallel.data import distributed_loader, wrap_data_parallel
 
 
@@ -43,11 +44,43 @@ def initialize(
     if stray:
         raise ValueError(f"the optimizer holds {len(stray)} parameter(s) that are not the model's")
     model.to(ctx.device)
-    wrapped = wrap_data_parallel(model, ctx.group("data"), ctx.device)
-    engine = Engine(wrapped, optimizer, criterion, ctx=ctx, config=config, module=model)
+    if ctx.size("pipeline") > 1:
+        engine = Engine(
+            model, optimizer, criterion, ctx=ctx, config=config, pipeline=_pipeline_stage(model, criterion, ctx)
+        )
+    else:
+        wrapped = wrap_data_parallel(model, ctx.group("data"), ctx.device)
+        engine = Engine(wrapped, optimizer, criterion, ctx=ctx, config=config, module=model)
     data_group = ctx.group("data")
     if train_dataloader is not None:
         train_dataloader = distributed_loader(train_dataloader, data_group, config.seed)
     if test_dataloader is not None:
         test_dataloader = distributed_loader(test_dataloader, data_group, config.seed)
     return engine, train_dataloader, test_dataloader, lr_scheduler
+
+
+def _pipeline_stage(model: nn.Module, criterion: Callable[..., torch.Tensor] | None, ctx: ParallelContext) -> Any:
+    """This rank's pipeline stage of ``model`` per ``parallel.pipeline``."""
+    from tessera.parallel.pipeline.stage import PipelineStage
+
+    config = ctx.config
+    pp = config.parallel.pipeline
+    if criterion is None:
+        raise ConfigError("pipeline parallelism computes the loss on the last stage: pass criterion= to initialize")
+    if config.gradient_accumulation != 1:
+        raise ConfigError(
+            f"gradient_accumulation={config.gradient_accumulation} with pipeline stages: the pipeline's "
+            "micro-batches are the accumulation; set parallel.pipeline.microbatches instead"
+        )
+    if config.mixed_precision.dtype == "fp16":
+        raise NotAvailableError("fp16 loss scaling with pipeline stages is not available yet; use bf16 or fp32")
+    return PipelineStage(
+        model,
+        criterion,
+        ctx,
+        schedule=pp.schedule,
+        microbatches=pp.microbatches if pp.microbatches is not None else pp.size,
+        chunks_per_rank=pp.chunks,
+        method=pp.partition,
+        boundaries=pp.boundaries,
+    )

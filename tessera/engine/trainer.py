@@ -36,7 +36,7 @@ class Trainer:
             getattr(hook, event)(self, *args)
 
     def steps_per_epoch(self, loader: DataLoader) -> int:
-        return len(loader) // self.engine.accumulation
+        return len(loader) // self.engine.micro_batches_per_step
 
     def fit(
         self,
@@ -54,7 +54,7 @@ class Trainer:
         if per_epoch < 1:
             raise ValueError(
                 f"the data loader gives {len(train_dataloader)} micro-batches per rank, fewer than one optimizer "
-                f"step of {self.engine.accumulation} (gradient_accumulation)"
+                f"step of {self.engine.micro_batches_per_step} micro-batches"
             )
         if steps is None:
             assert epochs is not None

@@ -17,7 +17,7 @@ from torch import nn
 
 from tessera import nn as tnn
 from tessera.checkpoint import load_full_state_dict
-from tessera.models.transformer import Block, gpt2_rule, init_full_state
+from tessera.models.transformer import Block, StagePart, gpt2_rule, init_full_state
 
 
 def _field(default: Any, doc: str) -> Any:
@@ -104,15 +104,29 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids [batch, seq] (int64, seq <= max_seq_len) -> logits [batch, seq, vocab_size]."""
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids -> the first block's input (token plus position embeddings)."""
         batch, seq = idx.shape
         if seq > self.config.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.config.max_seq_len}")
         positions = torch.arange(seq, device=idx.device).expand(batch, seq)
-        x = tnn.enter_sequence_parallel(self.tok_emb(idx) + self.pos_emb(positions))
-        x = self.dropout(x)
-        for block in self.blocks:
-            x = block(x)
+        return self.dropout(tnn.enter_sequence_parallel(self.tok_emb(idx) + self.pos_emb(positions)))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The last block's output -> logits."""
         return self.lm_head(tnn.exit_sequence_parallel(self.ln_f(x)))
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The model as layers for pipeline stages: embeddings, each block, head (the head's
+        weight stays tied to the embedding across stages)."""
+        embed = StagePart(self.embed, tok_emb=self.tok_emb, pos_emb=self.pos_emb, dropout=self.dropout)
+        head = StagePart(self.head, ln_f=self.ln_f, lm_head=self.lm_head)
+        return [embed, *self.blocks, head]
 
     def num_parameters(self) -> int:
         """Number of parameter elements of the full model, counting a tied (shared) weight once."""

@@ -68,6 +68,21 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class StagePart(nn.Module):
+    """A piece of a model outside its block list (embeddings, head) as a layer of its own, for
+    cutting the model into pipeline stages: it holds the model's submodules it uses (so its
+    parameters are theirs) and runs the model's own code for that piece."""
+
+    def __init__(self, forward: Callable[[torch.Tensor], torch.Tensor], **modules: nn.Module) -> None:
+        super().__init__()
+        for name, module in modules.items():
+            self.add_module(name, module)
+        self._forward = forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward(x)
+
+
 def full_shape(param: torch.Tensor) -> tuple[int, ...]:
     """Single-process shape of a parameter (a sharded one reports its full shape)."""
     spec = getattr(param, "tessera_shard", None)

@@ -14,7 +14,7 @@ from torch import nn
 
 from tessera import nn as tnn
 from tessera.checkpoint import load_full_state_dict
-from tessera.models.transformer import Block, gpt2_rule, init_full_state
+from tessera.models.transformer import Block, StagePart, gpt2_rule, init_full_state
 
 
 @dataclass(frozen=True)
@@ -75,10 +75,23 @@ class ViT(nn.Module):
         load_full_state_dict(self, init_full_state(self, rule))
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = self.dropout(tnn.enter_sequence_parallel(self.patch_embed(images)))
+        x = self.embed(images)
         for block in self.blocks:
             x = block(x)
+        return self.classify(x)
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        """Images -> the first block's input (patches, class token, positions)."""
+        return self.dropout(tnn.enter_sequence_parallel(self.patch_embed(images)))
+
+    def classify(self, x: torch.Tensor) -> torch.Tensor:
+        """The last block's output -> class logits from the class token."""
         return self.head(tnn.exit_sequence_parallel(self.norm(x))[:, 0])
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The model as layers for pipeline stages: patch embedding, each block, head."""
+        embed = StagePart(self.embed, patch_embed=self.patch_embed, dropout=self.dropout)
+        return [embed, *self.blocks, StagePart(self.classify, norm=self.norm, head=self.head)]
 
     def num_parameters(self) -> int:
         return sum(

@@ -20,7 +20,11 @@ from tessera.context import ParallelContext
 def global_grad_norm(params: Iterable[torch.nn.Parameter], ctx: ParallelContext | None = None) -> torch.Tensor:
     """The 2-norm of all gradients of the model (a 0-dim fp32 tensor)."""
     by_axes: dict[tuple[str, ...], list[torch.Tensor]] = defaultdict(list)
+    stage = ctx.local_rank("pipeline") if ctx is not None else 0
     for p in params:
+        owner = getattr(p, "tessera_pipeline_owner", None)
+        if owner is not None and owner != stage:
+            continue  # counted on its owning stage (a tied parameter has gradients on several)
         if p.grad is not None:
             by_axes[tuple(getattr(p, "tessera_sharded_along", ()))].append(p.grad)
     device = ctx.device if ctx is not None else torch.device("cpu")

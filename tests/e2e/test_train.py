@@ -63,3 +63,16 @@ def test_train_runs_under_2d_tensor_parallelism(tmp_path):
     weights = load_weights(run_dir / "model.safetensors")
     reference = gpt("tiny").state_dict()
     assert {k: tuple(v.shape) for k, v in weights.items()} == {k: tuple(v.shape) for k, v in reference.items()}
+
+
+def test_train_runs_with_pipeline_stages(tmp_path):
+    run_dir = tmp_path / "runpp"
+    out = run([*tessera_cmd(), "train", "--nproc", "2", "--output-dir", str(run_dir),
+               "--set", "parallel.pipeline.size=2", "--set", "parallel.pipeline.microbatches=2",
+               "--set", "trainer.steps=3", "--set", "trainer.eval_every=3", "--set", "trainer.progress_bar=false",
+               "--set", "data.max_bytes=100000", "--set", "data.micro_batch_size=4"], timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines if "final" not in m] == [1, 2, 3]
+    weights = load_weights(run_dir / "model.safetensors")
+    assert weights.keys() == gpt("tiny").state_dict().keys()
