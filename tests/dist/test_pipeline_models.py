@@ -15,16 +15,24 @@ from tessera.testing import use_layout
 from tests.dist.test_tp_models import GLOBAL_BATCH, STEPS, build, criterion, dataset, train
 
 
+def deep_gpt() -> torch.nn.Module:
+    """Six blocks: with embeddings and head, 8 layers, enough for 4 stages x 2 chunks."""
+    torch.manual_seed(0)
+    return gpt("tiny", vocab_size=64, max_seq_len=16, d_model=32, n_layers=6, n_heads=4)
+
+
 def train_pipeline(kind: str, pp: int, schedule: str, m: int, v: int = 1, data: int | None = None,
                    tensor: int = 1, mode: str = "1d"):  # fmt: skip
     pipeline = {"size": pp, "schedule": schedule, "microbatches": m, "chunks": v}
     config = {"parallel": {"data": data, "pipeline": pipeline, "tensor": {"size": tensor, "mode": mode}}}
     ctx = use_layout(pipeline=pp, data=data, tensor=tensor, mode=mode, config=config)
-    model = build(kind)
+    model = deep_gpt() if kind == "deep-gpt" else build(kind)
     initial = full_state_dict(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
-    loader = DataLoader(dataset(kind), batch_size=GLOBAL_BATCH // (ctx.size("data") * m))
-    engine, loader, _, _ = tessera.initialize(model, optimizer, criterion(kind), loader)
+    data_kind = "gpt" if kind == "deep-gpt" else kind
+    loader = DataLoader(dataset(data_kind), batch_size=GLOBAL_BATCH // (ctx.size("data") * m))
+    loss = criterion("gpt" if kind == "deep-gpt" else kind)
+    engine, loader, _, _ = tessera.initialize(model, optimizer, loss, loader)
     it = iter(loader)
     losses = [engine.train_batch(it) for _ in range(STEPS)]
     final = full_state_dict(model)
@@ -68,6 +76,24 @@ def test_pipeline_trains_to_the_single_process_answer(pools, references, kind, n
     results = pools.run(ranks, train_pipeline, kind, pp, schedule, m, v, data, tensor, mode, timeout=600)
     assert_same_run(results[0], references[kind])
     assert all(r[0] == results[0][0] for r in results), "every rank reports the same loss"
+
+
+def train_deep_reference():
+    use_layout(config={})
+    model = deep_gpt()
+    initial = full_state_dict(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
+    engine, loader, _, _ = tessera.initialize(
+        model, optimizer, criterion("gpt"), DataLoader(dataset("gpt"), batch_size=GLOBAL_BATCH)
+    )
+    it = iter(loader)
+    losses = [engine.train_batch(it) for _ in range(STEPS)]
+    return losses, (initial, full_state_dict(model))
+
+
+def test_interleaved_on_four_stages_trains_to_the_single_process_answer(pools):
+    results = pools.run(4, train_pipeline, "deep-gpt", 4, "interleaved", 4, 2, timeout=600)
+    assert_same_run(results[0], train_deep_reference())
 
 
 def body_too_many_stages():
