@@ -76,6 +76,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 BENCH_TARGETS: dict[str, str] = {  # name -> "module:function"; each strategy adds its own
     "dp": "tessera.bench.dp:main",
     "tp": "tessera.bench.tp:main",
+    "pp": "tessera.bench.pp:main",
 }
 
 
