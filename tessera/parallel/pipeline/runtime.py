@@ -12,11 +12,19 @@ batch; both sides cache the shape per boundary and later steps send data only (a
 boundary have the same shape for every micro-batch). The header batch pairs with the partner's
 header batch exactly as the data batches pair, so it adds no new wait to the schedule's order. A gradient buffer takes the shape of the
 output it is the gradient of, which the receiving rank made itself.
+
+``run(..., measure=True)`` records a :class:`StepMeasure` of the step in ``runtime.last_measure``
+(off by default; when off, no timer or hook runs): this rank's busy time in compute actions, the
+step's wall time after a start barrier, and the peak bytes of tensors saved for backward by its
+chunks' forwards (parameters excluded), held from a forward until its backward (or its W when
+the backward is split).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -57,6 +65,54 @@ def _decode_header(header: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
     return torch.Size(int(d) for d in header[2 : 2 + ndim]), _DTYPES[code]
 
 
+@dataclass
+class StepMeasure:
+    """One rank's measurements of one step (``run(..., measure=True)``). ``busy_s``: wall time in
+    compute actions (F, BW, B, W); ``step_s``: wall time from the start barrier to the end of the
+    rank's action list; ``saved_bytes[(chunk, mb)]``: bytes the forward of that pair saved for
+    backward (parameters excluded, each tensor counted once); ``peak_saved_bytes``: the most such
+    bytes live at once, a pair's released at the end of its BW, or of its W when split."""
+
+    busy_s: float = 0.0
+    step_s: float = 0.0
+    saved_bytes: dict[Key, int] = field(default_factory=dict)
+    peak_saved_bytes: int = 0
+    live_saved_bytes: int = 0
+
+    def hold(self, key: Key, nbytes: int) -> None:
+        self.saved_bytes[key] = nbytes
+        self.live_saved_bytes += nbytes
+        self.peak_saved_bytes = max(self.peak_saved_bytes, self.live_saved_bytes)
+
+    def release(self, key: Key) -> None:
+        self.live_saved_bytes -= self.saved_bytes[key]
+
+
+class _SavedBytes:
+    """Counts the bytes of tensors saved for backward inside the ``with`` (saved_tensors_hooks),
+    skipping views of ``params``' storages and counting each tensor (pointer, shape, strides) once."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self._skip = {q.untyped_storage().data_ptr() for q in params}
+        self._seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+        self.nbytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        view = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+        if tensor.untyped_storage().data_ptr() not in self._skip and view not in self._seen:
+            self._seen.add(view)
+            self.nbytes += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def __enter__(self) -> _SavedBytes:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+
 class PipelineRuntime:
     """Runs this rank's ``actions`` (one rank's list of a schedule) over its ``chunks``.
 
@@ -90,24 +146,40 @@ class PipelineRuntime:
         # Shape cache, kept across steps. Keyed by boundary: the chunk on the sending side.
         self._announced: set[int] = set()  # boundaries whose header this rank has sent
         self._act_meta: dict[int, tuple[torch.Size, torch.dtype]] = {}  # boundaries whose header it received
+        self.last_measure: StepMeasure | None = None  # set by run(..., measure=True)
+        self._measure: StepMeasure | None = None
         self._reset_step([], [])
 
     # ---- one step --------------------------------------------------------------------------
 
-    def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
+    def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor], *, measure: bool = False) -> float:
         """Run one step of ``m`` micro-batches: ``inputs[i]`` feeds chunk 0, ``targets[i]`` the loss
         of the last chunk (other ranks may pass anything, e.g. empty lists). Returns the sum of the
-        micro-batch losses, each divided by ``m`` (the step's mean loss), on every pipeline rank."""
+        micro-batch losses, each divided by ``m`` (the step's mean loss), on every pipeline rank.
+        With ``measure``, the ranks first meet at a barrier and the step's :class:`StepMeasure` is
+        left in ``last_measure`` (every pipeline rank must pass the same ``measure``)."""
         self._reset_step(inputs, targets)
+        self._measure = stats = StepMeasure() if measure else None
+        if stats is not None:
+            comm.barrier(self.group)
+            start = time.perf_counter()
         transfers: list[Action] = []
         for action in self.actions:
             if action.kind.is_compute:
                 self._post(transfers)
                 transfers = []
-                self._dispatch[action.kind](action)
+                if stats is None:
+                    self._dispatch[action.kind](action)
+                else:
+                    began = time.perf_counter()
+                    self._dispatch[action.kind](action)
+                    stats.busy_s += time.perf_counter() - began
             else:
                 transfers.append(action)
         self._post(transfers)
+        if stats is not None:
+            stats.step_s = time.perf_counter() - start
+            self.last_measure, self._measure = stats, None
         leftover = [name for name, held in self._held().items() if held]
         total = torch.tensor([self._loss_sum], dtype=torch.float64)
         self._reset_step([], [])
@@ -138,18 +210,29 @@ class PipelineRuntime:
     def _forward(self, action: Action) -> None:
         c, i = action.chunk, action.microbatch
         x = self._inputs[i] if c == 0 else self._act_in.pop((c, i))
+        if self._measure is None:
+            out = self._chunk_forward(c, i, x)
+        else:
+            with _SavedBytes(list(self.chunks[c].parameters())) as counter:
+                out = self._chunk_forward(c, i, x)
+            self._measure.hold((c, i), counter.nbytes)
+        if c != self.num_chunks - 1 and c + 1 in self.chunks:  # neighbour on this rank (only with p = 1): no transfer
+            self._act_in[(c + 1, i)] = out.detach().requires_grad_(True)
+        self._saved[(c, i)] = (x, out)
+
+    def _chunk_forward(self, c: int, i: int, x: torch.Tensor) -> torch.Tensor:
         out = self.chunks[c](x)
         if c == self.num_chunks - 1:
             out = self.loss_fn(out, self._targets[i]) / self.num_microbatches
             self._loss_sum += float(out.detach())
-        elif c + 1 in self.chunks:  # neighbour on this rank (only with p = 1): no transfer
-            self._act_in[(c + 1, i)] = out.detach().requires_grad_(True)
-        self._saved[(c, i)] = (x, out)
+        return out
 
     def _backward(self, action: Action) -> None:
         key = action.chunk, action.microbatch
         x, out = self._saved.pop(key)
         torch.autograd.backward(out, self._grad_in.pop(key, None))
+        if self._measure is not None:
+            self._measure.release(key)
         if action.chunk > 0:
             self._deliver_input_grad(action, x.grad)
 
@@ -168,6 +251,8 @@ class PipelineRuntime:
         # Correctness over speed: this walks the retained graph from the output again, so the
         # part of the backward shared by input and weight gradients is computed twice.
         torch.autograd.backward(out, grad, inputs=params)
+        if self._measure is not None:
+            self._measure.release((action.chunk, action.microbatch))
 
     def _deliver_input_grad(self, action: Action, grad: torch.Tensor | None) -> None:
         if grad is None:
