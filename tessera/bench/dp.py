@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from tessera.bench.report import Row, print_rows, write_rows
+from tessera.bench.timing import alternate
 
 
 def _rank_body(preset: str, micro_batch: int, seq_len: int, blocks: int, steps_per_block: int) -> dict[str, Any]:
     import tessera
-    from tessera import comm
     from tessera.models import NextTokenLoss, gpt
     from tessera.testing import use_layout
 
@@ -51,21 +50,9 @@ def _rank_body(preset: str, micro_batch: int, seq_len: int, blocks: int, steps_p
             loss_fn(ddp(x), y).backward()
             opt_theirs.step()
 
-    world = ctx.group("world")
-    times: dict[str, list[float]] = {"tessera": [], "ddp": []}
-    sides = {"tessera": tessera_block, "ddp": ddp_block}
     tessera_block()  # warm-up: DDP builds its buckets, allocators settle
     ddp_block()
-    for block in range(blocks):
-        order = ("tessera", "ddp") if block % 2 == 0 else ("ddp", "tessera")
-        for side in order:
-            comm.barrier(world)
-            start = time.perf_counter()
-            sides[side]()
-            elapsed = torch.tensor([time.perf_counter() - start])
-            comm.all_reduce(elapsed, world, op="max")
-            times[side].append(float(elapsed) / steps_per_block)
-    return times
+    return alternate({"tessera": tessera_block, "ddp": ddp_block}, blocks, steps_per_block, ctx.group("world"))
 
 
 def run(

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Any
 
 import torch
 from torch import nn
 
 from tessera.bench.report import Row, print_rows, write_rows
+from tessera.bench.timing import alternate
 
 CLASSES = 10
 
@@ -51,7 +51,6 @@ def _rank_body(
     schedule: str, hidden: int, layers: int, micro_batch: int, microbatches: int, blocks: int, steps: int
 ) -> dict[str, list[float]]:
     import tessera
-    from tessera import comm
     from tessera.testing import use_layout
 
     torch_name, v = TORCH_SCHEDULES[schedule]
@@ -101,20 +100,9 @@ def _rank_body(
             sched.step(*args, **kwargs)
             opt_theirs.step()
 
-    sides = {"tessera": tessera_block, "torch": torch_block}
-    times: dict[str, list[float]] = {"tessera": [], "torch": []}
     tessera_block()  # warm-up: torch's stages allocate their buffers on the first step
     torch_block()
-    for block in range(blocks):
-        order = ("tessera", "torch") if block % 2 == 0 else ("torch", "tessera")
-        for side in order:
-            comm.barrier(world)
-            start = time.perf_counter()
-            sides[side]()
-            elapsed = torch.tensor([time.perf_counter() - start])
-            comm.all_reduce(elapsed, world, op="max")
-            times[side].append(float(elapsed) / steps)
-    return times
+    return alternate({"tessera": tessera_block, "torch": torch_block}, blocks, steps, world)
 
 
 def predicted_bubble(schedule: str, p: int, m: int) -> float:

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Any
 
 import torch
 from torch import nn
 
 from tessera.bench.report import Row, print_rows, write_rows
+from tessera.bench.timing import alternate
 
 HIDDEN = 1024
 HEADS = 16
@@ -48,26 +48,16 @@ def _saved_bytes(fn: Any, module: nn.Module) -> tuple[Any, int]:
     return out, total
 
 
+def _repeat(step: Any, steps: int) -> None:
+    for _ in range(steps):
+        step()
+
+
 def _block() -> nn.Module:
     from tessera.models.transformer import Block
 
     torch.manual_seed(0)
     return Block(HIDDEN, HEADS, 4 * HIDDEN, 0.0, 1e-5, causal=True)
-
-
-def _timed(step: Any, blocks: int, steps: int, world: Any) -> list[float]:
-    from tessera import comm
-
-    times = []
-    for _ in range(blocks):
-        comm.barrier(world)
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        elapsed = torch.tensor([time.perf_counter() - start])
-        comm.all_reduce(elapsed, world, op="max")
-        times.append(float(elapsed) / steps)
-    return times
 
 
 def _rank_body(
@@ -101,7 +91,7 @@ def _rank_body(
         "comm_bytes": led.bytes(),
     }
     if not with_torch:
-        result["times"] = _timed(step, blocks, steps, world)
+        result["times"] = alternate({"tessera": lambda: _repeat(step, steps)}, blocks, steps, world)["tessera"]
         return result
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -126,13 +116,9 @@ def _rank_body(
 
     ref_step()
     _, result["torch_activation_bytes"] = _saved_bytes(lambda: ref(x_ref), ref)
-    ours: list[float] = []
-    theirs: list[float] = []
-    for i in range(blocks):  # alternate ABAB / BABA
-        pair = [(step, ours), (ref_step, theirs)]
-        for fn, sink in pair if i % 2 == 0 else pair[::-1]:
-            sink.extend(_timed(fn, 1, steps, world))
-    result["times"], result["torch_times"] = ours, theirs
+    times = alternate({"tessera": lambda: _repeat(step, steps), "torch": lambda: _repeat(ref_step, steps)},
+                      blocks, steps, world)  # fmt: skip
+    result["times"], result["torch_times"] = times["tessera"], times["torch"]
     return result
 
 

@@ -1,0 +1,35 @@
+"""Timing both sides of a benchmark fairly on a shared machine."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from tessera import comm
+from tessera.comm import AxisGroup
+
+
+def time_block(block: Callable[[], None], group: AxisGroup, steps: int) -> float:
+    """Seconds per step of ``block()`` (which runs ``steps`` steps): started together after a
+    barrier, the slowest rank's time."""
+    comm.barrier(group)
+    start = time.perf_counter()
+    block()
+    elapsed = torch.tensor([time.perf_counter() - start])
+    comm.all_reduce(elapsed, group, op="max")
+    return float(elapsed) / steps
+
+
+def alternate(
+    sides: dict[str, Callable[[], None]], blocks: int, steps: int, group: AxisGroup
+) -> dict[str, list[float]]:
+    """Per-step times of each side over ``blocks`` rounds, the order reversed every other round
+    (ABAB, then BABA) so that drift and noise fall on every side alike."""
+    names = list(sides)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for block in range(blocks):
+        for name in names if block % 2 == 0 else names[::-1]:
+            times[name].append(time_block(sides[name], group, steps))
+    return times
