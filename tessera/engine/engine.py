@@ -16,6 +16,7 @@ from torch import nn
 
 from tessera import comm
 from tessera.amp import LossScaler, autocast
+from tessera.checkpoint import full_state_dict, load_full_state_dict
 from tessera.config import Config
 from tessera.context import ParallelContext
 from tessera.errors import TesseraError
@@ -232,8 +233,6 @@ class Engine:
         forward pass for evaluation can run the whole model on each rank."""
         if self._synced_at == self.global_step:
             return
-        from tessera.checkpoint import full_state_dict, load_full_state_dict
-
         load_full_state_dict(self.module, full_state_dict(self.module))
         self._synced_at = self.global_step
 
