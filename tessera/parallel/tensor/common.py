@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tessera import comm
@@ -212,3 +213,28 @@ def class_parallel_cross_entropy(
     Every vocabulary-parallel loss of every mode is this."""
     loss: torch.Tensor = _VocabParallelCrossEntropy.apply(logits, targets, tuple(groups), start, valid)
     return loss
+
+
+def pad_dim(x: torch.Tensor, dim: int, multiple: int, value: float = 0.0) -> torch.Tensor:
+    """``x`` with dimension ``dim`` padded at the end with ``value`` to a multiple of ``multiple``."""
+    dim = dim % x.dim()
+    extra = round_up(x.shape[dim], multiple) - x.shape[dim]
+    if extra == 0:
+        return x
+    pad = [0, 0] * (x.dim() - dim - 1) + [0, extra]
+    return F.pad(x, pad, value=value)
+
+
+def sum_grad_over(x: torch.Tensor, *groups: AxisGroup | None) -> torch.Tensor:
+    """Identity forward; the gradient all-reduced over each group. For a tensor replicated over
+    those groups whose members each compute a share of its gradient (other batch blocks)."""
+    for group in groups:
+        if group is not None:
+            x = comm.copy_forward_all_reduce_backward(x, group)
+    return x
+
+
+def all_reduce_forward_backward(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """Sum over ``group`` forward and backward: for a statistic (a row sum of a split hidden
+    dimension) that every member then uses on its own block."""
+    return comm.copy_forward_all_reduce_backward(comm.all_reduce_forward_copy_backward(x, group), group)

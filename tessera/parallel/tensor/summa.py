@@ -34,12 +34,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from tessera import comm
 from tessera.comm import AxisGroup
 from tessera.context import ParallelContext
-from tessera.parallel.tensor.common import round_up
+from tessera.parallel.tensor.common import pad_dim
 
 
 @dataclass(frozen=True)
@@ -281,32 +280,7 @@ def grid_transpose(x: torch.Tensor, grid: SummaGrid) -> torch.Tensor:
 # ---- parameters replicated over part of the grid --------------------------------------------
 
 
-def sum_grad_over(x: torch.Tensor, *groups: AxisGroup | None) -> torch.Tensor:
-    """Identity forward; the gradient all-reduced over each group. For a tensor replicated over
-    those groups whose members each compute a share of its gradient (other batch blocks)."""
-    for group in groups:
-        if group is not None:
-            x = comm.copy_forward_all_reduce_backward(x, group)
-    return x
-
-
-def all_reduce_forward_backward(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-    """Sum over ``group`` forward and backward: for a statistic (a row sum of a split hidden
-    dimension) that every member then uses on its own block."""
-    return comm.copy_forward_all_reduce_backward(comm.all_reduce_forward_copy_backward(x, group), group)
-
-
 # ---- activation layout -----------------------------------------------------------------------
-
-
-def pad_dim(x: torch.Tensor, dim: int, multiple: int, value: float = 0.0) -> torch.Tensor:
-    """``x`` with dimension ``dim`` padded at the end with ``value`` to a multiple of ``multiple``."""
-    dim = dim % x.dim()
-    extra = round_up(x.shape[dim], multiple) - x.shape[dim]
-    if extra == 0:
-        return x
-    pad = [0, 0] * (x.dim() - dim - 1) + [0, extra]
-    return F.pad(x, pad, value=value)
 
 
 def grid_batch(x: torch.Tensor, grid: SummaGrid, pad_value: float = 0.0) -> torch.Tensor:

@@ -49,13 +49,15 @@ from tessera.nn.plain import PatchEmbedding
 from tessera.parallel.tensor import summa
 from tessera.parallel.tensor.common import (
     ShardSpec,
+    all_reduce_forward_backward,
     check_tied,
     class_parallel_cross_entropy,
     local_range,
     round_up,
     shard_parameter,
+    sum_grad_over,
 )
-from tessera.parallel.tensor.summa import SummaGrid, sum_grad_over
+from tessera.parallel.tensor.summa import SummaGrid
 
 __all__ = [
     "Classifier2D",
@@ -143,9 +145,9 @@ def layer_norm(
     real = torch.arange(x.shape[-1], device=x.device) < valid if valid < x.shape[-1] else None
     if real is not None:  # padded units count in no statistic, stay zero and get no gradient
         x = x * real
-    mean = summa.all_reduce_forward_backward(x.sum(-1, keepdim=True), grid.row) / hidden
+    mean = all_reduce_forward_backward(x.sum(-1, keepdim=True), grid.row) / hidden
     centred = x - mean if real is None else (x - mean) * real
-    var = summa.all_reduce_forward_backward((centred * centred).sum(-1, keepdim=True), grid.row) / hidden
+    var = all_reduce_forward_backward((centred * centred).sum(-1, keepdim=True), grid.row) / hidden
     y = centred * torch.rsqrt(var + eps)
     if weight is not None:
         y = y * sum_grad_over(weight, *grid.weight_replicas)

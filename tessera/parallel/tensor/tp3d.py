@@ -81,6 +81,7 @@ from tessera.parallel.tensor.common import (
     ShardSpec,
     check_tied,
     class_parallel_cross_entropy,
+    pad_dim,
     shard_parameter,
 )
 
@@ -180,22 +181,12 @@ def _check_local(x: torch.Tensor, size: int, cube: Cube, what: str) -> None:
         )
 
 
-def _pad_to(x: torch.Tensor, dim: int, size: int, value: float = 0.0) -> torch.Tensor:
-    """``x`` with dimension ``dim`` padded at its end with ``value`` to ``size``."""
-    extra = size - x.shape[dim]
-    if extra == 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = extra
-    return torch.cat([x, x.new_full(shape, value)], dim=dim)
-
-
 def batch_block(x: torch.Tensor, cube: Cube, pad_value: float = 0.0) -> torch.Tensor:
     """This rank's batch rows of a tensor that arrives full on every rank (token ids, images,
     targets): ``[B, ...] -> [ceil(B/q), ...]`` (block ``w``, padded with ``pad_value``). No
     communication and no gradient to the full tensor."""
     per = -(-x.shape[0] // cube.q)
-    return _pad_to(x, 0, per * cube.q, pad_value).narrow(0, cube.w * per, per)
+    return pad_dim(x, 0, cube.q, pad_value).narrow(0, cube.w * per, per)
 
 
 # ---- parameters with a hidden dimension -------------------------------------------------------
@@ -235,7 +226,7 @@ def hidden_local(param: torch.Tensor, cube: Cube) -> torch.Tensor:
 def _split_hidden(x: torch.Tensor, cube: Cube) -> torch.Tensor:
     """``[..., h]`` (full, the same on every rank) -> ``[..., F]`` block ``o*q + n``; the backward
     all-gathers, so the full tensor gets its full gradient on every rank."""
-    x = _pad_to(x, -1, cube.q**2 * cube.per_rank(x.shape[-1]))
+    x = pad_dim(x, -1, cube.q**2)
     x = comm.split_forward_gather_backward(x, cube.output, -1)
     return comm.split_forward_gather_backward(x, cube.input, -1)
 
@@ -339,7 +330,7 @@ def split_activation(x_full: torch.Tensor, ctx: ParallelContext | None = None) -
     hidden block ``o*q + n``, zero-padded. Backward all-gathers, so the full input gets its full
     gradient on every rank."""
     cube = Cube.of(_context(ctx))
-    x = _pad_to(x_full, 0, -(-x_full.shape[0] // cube.q) * cube.q)
+    x = pad_dim(x_full, 0, cube.q)
     x = comm.split_forward_gather_backward(x, cube.weight, 0)
     return _split_hidden(x, cube)
 
@@ -477,7 +468,7 @@ class VocabParallelEmbedding3D(_CubeLayer):
         cube = self.cube
         rows = self.weight.shape[0]
         start = (cube.w * cube.q + cube.n) * rows
-        ids = _pad_to(ids, 0, -(-ids.shape[0] // cube.q) * cube.q)
+        ids = pad_dim(ids, 0, cube.q)
         mine = (ids >= start) & (ids < start + rows)
         local = F.embedding(torch.where(mine, ids - start, torch.zeros_like(ids)), self.weight)
         local = local.masked_fill(~mine.unsqueeze(-1), 0.0)  # [B, (s,) q F]: hidden coarse block o
@@ -592,7 +583,7 @@ class PatchEmbedding3D(_CubeLayer):
         cube = self.cube
         for group in cube.hidden_groups:  # each rank's channels feed back a part of the image grad
             images = comm.copy_forward_all_reduce_backward(images, group)
-        images = _pad_to(images, 0, -(-images.shape[0] // cube.q) * cube.q)
+        images = pad_dim(images, 0, cube.q)
         images = comm.split_forward_gather_backward(images, cube.weight, 0)
         weight, bias = hidden_local(self.weight, cube), hidden_local(self.bias, cube)
         x = F.conv2d(images, weight, bias, stride=self.patch_size).flatten(2).transpose(1, 2)
