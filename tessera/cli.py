@@ -82,10 +82,11 @@ BENCH_TARGETS: dict[str, str] = {  # name -> "module:function"; each strategy ad
 
 def _cmd_train(args: argparse.Namespace) -> int:
     """Validate the config here, then start the ranks of ``tessera.train`` through torchrun."""
-    from tessera.config import load_config, require_available
+    from tessera.config import check_model_layout, load_config, require_available
     from tessera.train import default_run_dir
 
     cfg = load_config(args.config, args.set)  # a bad config fails before any process starts
+    check_model_layout(cfg)  # tessera train builds config.model, named or default
     require_available(cfg)
     nproc = args.nproc or cfg.launch.nproc_per_node
     run_dir = args.output_dir or str(default_run_dir(cfg))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
@@ -40,11 +41,18 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     module = _unwrap(model)
     out: dict[str, torch.Tensor] = {}
     gathered: dict[int, torch.Tensor] = {}  # tied parameters are gathered once
-    for key, tensor in _named_tensors(module).items():
-        if id(tensor) not in gathered:
-            gathered[id(tensor)] = _full_tensor(tensor).to("cpu", copy=True)
-        out[key] = gathered[id(tensor)]
+    with _zero_gathered(module):
+        for key, tensor in _named_tensors(module).items():
+            if id(tensor) not in gathered:
+                gathered[id(tensor)] = _full_tensor(tensor).to("cpu", copy=True)
+            out[key] = gathered[id(tensor)]
     return out
+
+
+def _zero_gathered(module: nn.Module) -> AbstractContextManager[None]:
+    """Under ZeRO-3 the parameters are readable only while their chunks are gathered."""
+    zero = getattr(module, "tessera_zero", None)
+    return zero.gathered() if zero is not None else nullcontext()
 
 
 def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -68,7 +76,8 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
     missing, unexpected = sorted(set(named) - set(state)), sorted(set(state) - set(named))
     if missing or unexpected:
         raise KeyError(f"state dict does not match the model: missing {missing}, unexpected {unexpected}")
-    with torch.no_grad():
+    zero = getattr(module, "tessera_zero", None)
+    with torch.no_grad(), _zero_gathered(module):
         for key, tensor in named.items():
             full = state[key]
             spec = spec_of(tensor)
@@ -77,6 +86,8 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
             if tuple(full.shape) != tuple(tensor.shape):
                 raise ValueError(f"{key}: shape {tuple(full.shape)} does not fit {tuple(tensor.shape)}")
             tensor.copy_(full)
+        if zero is not None:
+            zero.params_loaded()  # the shards and fp32 masters follow the new values
 
 
 def save_weights(state: dict[str, torch.Tensor], path: str | Path) -> Path:

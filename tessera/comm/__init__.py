@@ -11,6 +11,7 @@ from tessera.comm.autograd import (
     split_along,
     split_forward_gather_backward,
 )
+from tessera.comm.flat import all_gather_into, reduce_scatter_into
 from tessera.comm.group import AxisGroup, single_rank_group
 from tessera.comm.ledger import CommRecord, Ledger, ledger, logical_bytes
 from tessera.comm.ops import (
@@ -46,6 +47,7 @@ __all__ = [
     "Pending",
     "all_gather",
     "all_gather_forward_reduce_scatter_backward",
+    "all_gather_into",
     "all_reduce",
     "all_reduce_async",
     "all_reduce_forward_copy_backward",
@@ -66,6 +68,7 @@ __all__ = [
     "reduce",
     "reduce_scatter",
     "reduce_scatter_forward_all_gather_backward",
+    "reduce_scatter_into",
     "resolve",
     "send",
     "set_axis_resolver",

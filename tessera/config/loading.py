@@ -270,7 +270,29 @@ def load_config(source: ConfigSource = None, overrides: Sequence[str] = ()) -> C
         data = read_config_file(source)
     if overrides:
         data = apply_overrides(data, overrides)
-    return build(Config, data)
+    config = build(Config, data)
+    if "model" in data:  # the config names its model: its layer count is known now
+        check_model_layout(config)
+    return config
+
+
+def check_model_layout(config: Config) -> None:
+    """Refuse a layout that the configured model (``config.model``) cannot take: more pipeline
+    stages (times chunks) than the model has layers to give them."""
+    pp = config.parallel.pipeline
+    if pp.size == 1:
+        return
+    from tessera.models.gpt import pipeline_layer_count  # models sit above config; import on use
+
+    layers = pipeline_layer_count(config.model.preset, config.model.options)
+    parts = pp.size * pp.chunks
+    if parts > layers:
+        raise ConfigError(
+            f"parallel.pipeline.size={pp.size}"
+            + (f" x chunks={pp.chunks}" if pp.chunks > 1 else "")
+            + f" needs {parts} pipeline parts, but model {config.model.name!r} (preset {config.model.preset!r}) "
+            f"has only {layers} layers to split (embedding, {layers - 2} blocks, head): use at most {layers} parts"
+        )
 
 
 def parallel_dims(config: Config, world_size: int) -> ParallelDims:
@@ -292,7 +314,6 @@ def parallel_dims(config: Config, world_size: int) -> ParallelDims:
 # (key, is it in use?, what it is). Each strategy's issue removes its line when it lands.
 _NOT_BUILT: list[tuple[str, Callable[[Config], bool], str]] = [
     ("parallel.sequence.size", lambda c: c.parallel.sequence.size > 1, "sequence parallelism"),
-    ("zero.stage", lambda c: c.zero.stage > 0, "ZeRO"),
     ("gemini.enabled", lambda c: c.gemini.enabled, "the Gemini memory manager"),
 ]
 

@@ -285,3 +285,10 @@ class Config:
             raise ConfigError(f"gradient_accumulation={self.gradient_accumulation} must be at least 1")
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise ConfigError(f"clip_grad_norm={self.clip_grad_norm} must be positive (or None)")
+        if self.zero.stage >= 2 and self.parallel.pipeline.size > 1:
+            raise ConfigError(
+                f"zero.stage={self.zero.stage} with parallel.pipeline.size={self.parallel.pipeline.size}: stages 2 "
+                "and 3 reduce (and free) gradients during every backward pass, but a pipeline step runs many "
+                "backward passes and sums tied weights' gradients across stages afterwards; use zero.stage=1 "
+                "with pipeline stages"
+            )

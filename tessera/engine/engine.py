@@ -21,6 +21,7 @@ from tessera.config import Config
 from tessera.context import ParallelContext
 from tessera.errors import TesseraError
 from tessera.optim import clip_grad_norm_, global_grad_norm
+from tessera.zero import ZeroOptimizer
 
 
 class _MissingCriterion:
@@ -56,7 +57,7 @@ class Engine:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | ZeroOptimizer,
         criterion: Callable[..., torch.Tensor] | None,
         *,
         ctx: ParallelContext,
@@ -158,6 +159,8 @@ class Engine:
     def _apply_gradients(self) -> bool:
         """Unscale and check overflow (fp16), clip, and step the optimizer; counts the step."""
         self.global_step += 1
+        if isinstance(self.optimizer, ZeroOptimizer):
+            self.optimizer.reduce_gradients()  # each rank now holds the average of its shard
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         if self.scaler is not None:
             grads = [p.grad for p in params if p.grad is not None]
@@ -224,7 +227,8 @@ class Engine:
             loss = self.pipeline.step(batches)
         if not math.isfinite(loss):
             raise FloatingPointError(f"non-finite loss {loss} at step {self.global_step} in {self.precision}")
-        self._average_over_data([p for p in self.module.parameters() if p.grad is not None])
+        if not isinstance(self.optimizer, ZeroOptimizer):  # ZeRO reduce-scatters in _apply_gradients
+            self._average_over_data([p for p in self.module.parameters() if p.grad is not None])
         self._apply_gradients()
         return self.mean_over_data(loss)
 

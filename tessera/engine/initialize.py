@@ -14,6 +14,7 @@ from tessera.context import ParallelContext, get_context
 from tessera.engine.engine import Engine
 from tessera.errors import ConfigError, NotAvailableError
 from tessera.parallel.data import distributed_loader, wrap_data_parallel
+from tessera.zero import zero_optimizer
 
 
 def initialize(
@@ -45,9 +46,13 @@ def initialize(
         raise ValueError(f"the optimizer holds {len(stray)} parameter(s) that are not the model's")
     model.to(ctx.device)
     if ctx.size("pipeline") > 1:
-        engine = Engine(
-            model, optimizer, criterion, ctx=ctx, config=config, pipeline=_pipeline_stage(model, criterion, ctx)
-        )
+        stage = _pipeline_stage(model, criterion, ctx)
+        if config.zero.stage > 0:  # stage 1 only (the config refuses 2 and 3 with pipelines)
+            optimizer = zero_optimizer(model, optimizer, ctx, config)  # type: ignore[assignment]
+        engine = Engine(model, optimizer, criterion, ctx=ctx, config=config, pipeline=stage)
+    elif config.zero.stage > 0:
+        # ZeRO reduces the gradients itself (reduce-scatter over the data axis): no DDP
+        engine = Engine(model, zero_optimizer(model, optimizer, ctx, config), criterion, ctx=ctx, config=config)
     else:
         wrapped = wrap_data_parallel(model, ctx.group("data"), ctx.device)
         engine = Engine(wrapped, optimizer, criterion, ctx=ctx, config=config, module=model)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,12 +23,23 @@ def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return total
 
 
-def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+def model_state_bytes(model: nn.Module, optimizer: Any = None) -> dict[str, int]:
     """``{"parameters", "gradients", "optimizer_states", "total"}`` in bytes on this rank.
 
     Optimizer states are every tensor the optimizer keeps per parameter (Adam's moments and
-    step counters, say).
+    step counters, say), and fp32 master weights where they are kept apart (ZeRO with bf16/fp16).
+    A sharded optimizer reports what this rank holds through its ``memory_parts()``.
     """
+    parts = getattr(optimizer, "memory_parts", None)
+    if parts is not None:  # a sharded optimizer (ZeRO) knows which of the model's tensors it holds
+        held = parts()
+        out = {
+            "parameters": _tensor_bytes(held["parameters"]),
+            "gradients": _tensor_bytes(held["gradients"]),
+            "optimizer_states": _tensor_bytes(held["optimizer_states"]),
+        }
+        out["total"] = sum(out.values())
+        return out
     params = list(model.parameters())
     grads = [p.grad for p in params if p.grad is not None]
     states: list[torch.Tensor] = []

@@ -17,6 +17,7 @@ from torch import nn
 
 from tessera import nn as tnn
 from tessera.checkpoint import load_full_state_dict
+from tessera.errors import ConfigError
 from tessera.models.transformer import Block, StagePart, gpt2_rule, init_full_state
 
 
@@ -133,6 +134,14 @@ class GPT(nn.Module):
         unique = {id(p): p for p in self.parameters()}
         return sum(math.prod(p.tessera_shard.full_shape) if hasattr(p, "tessera_shard") else p.numel()
                    for p in unique.values())  # fmt: skip
+
+
+def pipeline_layer_count(preset: str = "tiny", overrides: dict[str, Any] | None = None) -> int:
+    """How many layers ``GPT.pipeline_layers()`` gives for this preset: embedding, blocks, head."""
+    if preset not in PRESETS:
+        raise ConfigError(f"model.preset={preset!r} is not a GPT preset; presets: {', '.join(PRESETS)}")
+    n_layers = (overrides or {}).get("n_layers", PRESETS[preset].n_layers)
+    return int(n_layers) + 2
 
 
 def gpt(preset: str = "tiny", **overrides: Any) -> GPT:

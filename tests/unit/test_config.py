@@ -12,6 +12,7 @@ import tessera
 from tessera.config import (
     Config,
     apply_overrides,
+    check_model_layout,
     load_config,
     parallel_dims,
     reference_markdown,
@@ -179,10 +180,27 @@ def test_pipeline_rules_at_config_time():
         load_config({"parallel": {"pipeline": {"size": 2, "chunks": 2}}})
 
 
+def test_more_pipeline_parts_than_model_layers_fail_at_config_time():
+    # the tiny GPT gives 6 layers (embedding, 4 blocks, head)
+    model = {"name": "gpt", "preset": "tiny"}
+    assert load_config({"parallel": {"pipeline": {"size": 6}}, "model": model})
+    with pytest.raises(ConfigError, match=r"size=8 needs 8 pipeline parts, but model 'gpt' .* has only 6 layers"):
+        load_config({"parallel": {"pipeline": {"size": 8}}, "model": model})
+    with pytest.raises(ConfigError, match=r"size=2 x chunks=4 needs 8 pipeline parts.*only 4 layers"):
+        pipeline = {"size": 2, "schedule": "interleaved", "chunks": 4, "microbatches": 4}
+        load_config({"parallel": {"pipeline": pipeline}, "model": {**model, "options": {"n_layers": 2}}})
+    # no model section: the user brings their own model, whose layers are counted at initialize
+    assert load_config({"parallel": {"pipeline": {"size": 8}}})
+    # tessera train always builds config.model, so its command checks the default model too
+    with pytest.raises(ConfigError, match="has only 6 layers"):
+        check_model_layout(load_config({"parallel": {"pipeline": {"size": 8}}}))
+
+
 def test_features_not_built_yet_fail_clearly_when_used():
     require_available(load_config({}))
-    with pytest.raises(NotAvailableError, match=r"zero\.stage: ZeRO is not available yet"):
-        require_available(load_config({"zero": {"stage": 2}}))
+    require_available(load_config({"zero": {"stage": 2}}))  # built: accepted
+    with pytest.raises(NotAvailableError, match=r"gemini\.enabled: the Gemini memory manager is not available yet"):
+        require_available(load_config({"gemini": {"enabled": True}}))
 
 
 def test_docs_reference_matches_the_code():

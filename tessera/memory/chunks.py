@@ -1,0 +1,251 @@
+"""The chunk store: model tensors packed into flat chunks, each split evenly over a group.
+
+A chunk is one flat buffer holding several parameters end to end (padded so that every member
+of the group holds an equal shard). The parameters become views into the chunk's full buffer.
+Each member keeps its shard; the full payload exists only while the chunk is gathered:
+
+    SHARDED --gather--> GATHERING --wait--> GATHERED --release--> SHARDED
+    SHARDED --------------gather(sync)----> GATHERED
+
+Releasing frees the full buffer's storage (``resize_(0)``) without dropping the tensor, so the
+parameter views, and any views autograd saved of them, see the data again after the next gather.
+A chunk created with ``keep_full=True`` (ZeRO stages 1 and 2) is always gathered and its shard
+is a view into the full buffer (no second copy). ZeRO-3 and the Gemini memory manager share
+this store; every state change goes through :meth:`Chunk.to_state`, which refuses illegal moves.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from tessera import comm
+from tessera.comm import AxisGroup, Pending
+
+
+class ChunkState(enum.Enum):
+    SHARDED = "sharded"  # only this member's shard is held
+    GATHERING = "gathering"  # an all-gather into the full buffer is in flight
+    GATHERED = "gathered"  # the full payload is in the buffer
+
+
+LEGAL_TRANSITIONS: dict[ChunkState, frozenset[ChunkState]] = {
+    ChunkState.SHARDED: frozenset({ChunkState.GATHERING, ChunkState.GATHERED}),
+    ChunkState.GATHERING: frozenset({ChunkState.GATHERED}),
+    ChunkState.GATHERED: frozenset({ChunkState.SHARDED}),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A chunk was asked to move between two states that the transition table does not link."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one tensor lives: ``chunk.full[offset : offset + numel]`` viewed as ``shape``."""
+
+    name: str
+    index: int  # position among all tensors of the store (stable across ranks)
+    shape: torch.Size
+    offset: int
+    numel: int
+
+
+class Chunk:
+    """One flat buffer of several tensors, sharded evenly over ``group``."""
+
+    def __init__(
+        self,
+        slots: list[Slot],
+        dtype: torch.dtype,
+        device: torch.device,
+        group: AxisGroup,
+        keep_full: bool,
+        index: int = 0,
+    ) -> None:
+        self.slots = slots
+        self.index = index
+        self.group = group
+        self.keep_full = keep_full
+        self.numel = sum(s.numel for s in slots)
+        self.shard_numel = max(1, math.ceil(self.numel / group.size))
+        self.padded_numel = self.shard_numel * group.size
+        self.full = torch.zeros(self.padded_numel, dtype=dtype, device=device)
+        start = group.rank * self.shard_numel
+        if keep_full:
+            self.shard = self.full[start : start + self.shard_numel]
+        else:
+            self.shard = torch.zeros(self.shard_numel, dtype=dtype, device=device)
+        self.state = ChunkState.GATHERED
+        self._pending: Pending | None = None
+
+    # ---- what this member owns -------------------------------------------------------------
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        """[start, end) of this member's shard within the flat chunk."""
+        start = self.group.rank * self.shard_numel
+        return start, start + self.shard_numel
+
+    def view(self, slot: Slot) -> torch.Tensor:
+        """The tensor of ``slot`` as a view into the full buffer."""
+        return self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    def shard_pieces(self) -> Iterator[tuple[Slot, int, int]]:
+        """``(slot, start, end)`` for each tensor overlapping this member's shard, where
+        [start, end) is the overlap in shard coordinates (0 .. shard_numel)."""
+        lo, hi = self.shard_range
+        for slot in self.slots:
+            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if a < b:
+                yield slot, a - lo, b - lo
+
+    # ---- state machine ---------------------------------------------------------------------
+    def to_state(self, new: ChunkState) -> None:
+        if new not in LEGAL_TRANSITIONS[self.state]:
+            raise IllegalTransition(f"chunk {self.index}: {self.state.value} -> {new.value} is not a legal move")
+        self.state = new
+
+    def scatter_from_full(self) -> None:
+        """Take this member's shard from the (gathered) full buffer: called once after the
+        tensors were written into the chunk, before the first release."""
+        if self.state is not ChunkState.GATHERED:
+            raise IllegalTransition(f"chunk {self.index}: cannot take a shard while {self.state.value}")
+        if not self.keep_full:
+            lo, hi = self.shard_range
+            self.shard.copy_(self.full[lo:hi])
+
+    def gather(self, async_op: bool = False) -> None:
+        """Bring back the full payload from every member's shard (a no-op when gathered)."""
+        if self.state is ChunkState.GATHERED or (self.state is ChunkState.GATHERING and async_op):
+            return
+        if self.state is ChunkState.GATHERING:
+            self.wait()
+            return
+        storage = self.full.untyped_storage()
+        storage.resize_(self.padded_numel * self.full.element_size())
+        self._pending = comm.all_gather_into(self.full, self.shard, self.group, async_op=True)
+        self.to_state(ChunkState.GATHERING)
+        if not async_op:
+            self.wait()
+
+    def wait(self) -> None:
+        """Finish a gather in flight."""
+        if self.state is not ChunkState.GATHERING:
+            return
+        assert self._pending is not None
+        self._pending.wait()
+        self._pending = None
+        self.to_state(ChunkState.GATHERED)
+
+    def release(self) -> None:
+        """Free the full buffer's storage, keeping only the shard (chunks that keep their full
+        buffer, and chunks already sharded, stay as they are)."""
+        if self.keep_full or self.state is ChunkState.SHARDED:
+            return
+        self.wait()
+        self.to_state(ChunkState.SHARDED)
+        self.full.untyped_storage().resize_(0)
+
+    def refresh_full(self) -> None:
+        """After the shard changed (an optimizer step): every member's new shard into the full
+        buffer (chunks that keep it), or nothing (released chunks gather on next use)."""
+        if self.keep_full:
+            comm.all_gather_into(self.full, self.shard.clone(), self.group)
+        elif self.state is ChunkState.GATHERED:
+            comm.all_gather_into(self.full, self.shard, self.group)
+
+    def held_bytes(self) -> int:
+        """Bytes this member holds for the chunk's payload right now (full buffer and shard)."""
+        full = self.full.untyped_storage().nbytes()
+        shard = 0 if self.keep_full else self.shard.numel() * self.shard.element_size()
+        return full + shard
+
+
+class ChunkStore:
+    """Tensors packed into chunks of at most ``chunk_numel`` elements (a larger tensor gets a
+    chunk of its own), in the order given, each chunk sharded over ``group``."""
+
+    def __init__(
+        self,
+        named: Sequence[tuple[str, torch.Tensor]],
+        group: AxisGroup,
+        *,
+        chunk_numel: int,
+        dtype: torch.dtype | None = None,
+        keep_full: bool = False,
+        bins: Sequence[int] | None = None,
+    ) -> None:
+        """``named``: the tensors to pack; ``dtype``: the chunks' dtype (default: each tensor's);
+        ``bins``: a label per tensor (a parameter group, say); tensors of different labels
+        never share a chunk."""
+        if chunk_numel < 1:
+            raise ValueError(f"chunk_numel={chunk_numel} must be at least 1")
+        self.group = group
+        self.chunks: list[Chunk] = []
+        self._where: dict[str, tuple[Chunk, Slot]] = {}
+        labels = list(bins) if bins is not None else [0] * len(named)
+        pending: list[tuple[int, str, torch.Tensor]] = []
+
+        def close() -> None:
+            if not pending:
+                return
+            slots, offset = [], 0
+            for index, name, tensor in pending:
+                slots.append(Slot(name, index, tensor.shape, offset, tensor.numel()))
+                offset += tensor.numel()
+            first = pending[0][2]
+            chunk = Chunk(slots, dtype or first.dtype, first.device, group, keep_full, index=len(self.chunks))
+            with torch.no_grad():
+                for (_, _, tensor), slot in zip(pending, slots):
+                    chunk.view(slot).copy_(tensor)
+            chunk.scatter_from_full()
+            for slot in slots:
+                self._where[slot.name] = (chunk, slot)
+            self.chunks.append(chunk)
+            pending.clear()
+
+        filled = 0
+        for index, (name, tensor) in enumerate(named):
+            if name in self._where or any(name == n for _, n, _ in pending):
+                raise ValueError(f"tensor name {name!r} appears twice")
+            starts_new = pending and (
+                labels[index] != labels[pending[0][0]]
+                or tensor.dtype != pending[0][2].dtype
+                or tensor.device != pending[0][2].device
+                or filled + tensor.numel() > chunk_numel
+            )
+            if starts_new:
+                close()
+                filled = 0
+            pending.append((index, name, tensor))
+            filled += tensor.numel()
+        close()
+
+    def locate(self, name: str) -> tuple[Chunk, Slot]:
+        return self._where[name]
+
+    def view(self, name: str) -> torch.Tensor:
+        chunk, slot = self._where[name]
+        return chunk.view(slot)
+
+    @contextmanager
+    def gathered(self, chunks: Sequence[Chunk] | None = None) -> Iterator[None]:
+        """Every chunk (or the given ones) gathered inside the block; those that were sharded
+        before are released again after it."""
+        chosen = list(self.chunks if chunks is None else chunks)
+        was_sharded = [c for c in chosen if c.state is not ChunkState.GATHERED]
+        for c in chosen:
+            c.gather()
+        try:
+            yield
+        finally:
+            for c in was_sharded:
+                c.release()
+
+    def held_bytes(self) -> int:
+        return sum(c.held_bytes() for c in self.chunks)

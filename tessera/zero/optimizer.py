@@ -1,0 +1,308 @@
+"""ZeRO over the data axis: the optimizer's states, then the gradients, then the parameters,
+split evenly over the data-parallel ranks (Rajbhandari et al., 2020).
+
+The model's trainable parameters are packed, in order, into the chunks of a
+:class:`~tessera.memory.chunks.ChunkStore` sharded over the data axis; each parameter becomes a
+view into its chunk. A rank owns one contiguous shard of every chunk. The user's optimizer is
+kept (so learning-rate schedulers bound to it still work) but its parameter groups now hold
+*pieces*: views into this rank's fp32 master shard, one per parameter that overlaps the shard.
+Elementwise optimizers (SGD, Adam, AdamW) give exactly the single-process update this way; LAMB
+and LARS read the attributes each piece carries to compute whole-parameter norms
+(``tessera_zero_slot``, ``tessera_full_shape``; see ``tessera.optim.norms``).
+
+- stage 1: full gradients stay on every rank until the step; then one reduce-scatter per chunk
+  gives each rank the average of its shard, it steps its shard, and an all-gather refreshes the
+  parameters (2P communicated).
+- stage 2: as each chunk's gradients are complete during the backward pass, they are copied into
+  a bucket and reduce-scattered (asynchronously, overlapping the rest of the backward); only the
+  shard of the gradient is kept (2P communicated).
+- stage 3: chunks are also released after use; see :mod:`tessera.zero.stage3` (3P communicated).
+
+With bf16/fp16 the parameters (and their chunks) are kept in that dtype and the masters in fp32;
+in fp32 the master *is* the parameter shard. ``offload_optimizer="cpu"`` keeps masters, gradient
+pieces and optimizer states in host memory and steps there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from tessera import comm
+from tessera.comm import Pending
+from tessera.context import ParallelContext
+from tessera.errors import ConfigError
+from tessera.memory.chunks import Chunk, ChunkStore, Slot
+
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# attributes a parameter may carry that its pieces must keep (how it is split, who owns it)
+_INHERITED = ("tessera_sharded_along", "tessera_pipeline_owner")
+
+
+class ZeroOptimizer:
+    """A sharded optimizer over ``ctx``'s data axis wrapping the user's ``optimizer``.
+
+    Behaves like a ``torch.optim.Optimizer`` for the engine and for LR schedulers
+    (``param_groups``, ``state``, ``step``, ``zero_grad``, ``state_dict``); its parameter groups
+    hold this rank's pieces of the parameters. Call :meth:`reduce_gradients` after the last
+    backward of a step and before clipping or stepping.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        ctx: ParallelContext,
+        *,
+        stage: int,
+        precision: str = "fp32",
+        bucket_mb: float = 25.0,
+        overlap_comm: bool = True,
+        offload: str = "none",
+    ) -> None:
+        if stage not in (1, 2, 3):
+            raise ConfigError(f"zero.stage={stage} is not a ZeRO stage of the sharded optimizer; allowed: 1, 2, 3")
+        self.stage = stage
+        self.ctx = ctx
+        self.group = ctx.group("data")
+        self.optimizer = optimizer
+        self.overlap_comm = overlap_comm
+        self.param_dtype = PARAM_DTYPES[precision]
+        self.master_device = torch.device("cpu") if offload == "cpu" else ctx.device
+        names = {id(p): n for n, p in model.named_parameters()}
+        entries: list[tuple[str, nn.Parameter]] = []
+        bins: list[int] = []
+        for index, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if id(p) not in names:
+                    raise ValueError("the optimizer holds a parameter that is not the model's")
+                entries.append((names[id(p)], p))
+                bins.append(index)
+        self.params = [p for _, p in entries]
+        element = torch.empty((), dtype=self.param_dtype).element_size()
+        self.store = ChunkStore(
+            [(n, p.detach()) for n, p in entries],
+            self.group,
+            chunk_numel=max(1, int(bucket_mb * 2**20) // element),
+            dtype=self.param_dtype,
+            keep_full=stage < 3,
+            bins=bins,
+        )
+        self._slot_of: dict[int, tuple[Chunk, Slot]] = {}
+        for name, p in entries:
+            p.data = self.store.view(name)  # the parameter now lives in its chunk
+            self._slot_of[id(p)] = self.store.locate(name)
+        self._chunk_bin = {c.index: bins[c.slots[0].index] for c in self.store.chunks}
+        self.masters = [self._make_master(c) for c in self.store.chunks]
+        self._pieces: list[list[tuple[nn.Parameter, int, int]]] = []  # per chunk: (piece, start, end)
+        self._install_pieces(entries)
+        self.grad_shards: list[torch.Tensor | None] = [None] * len(self.store.chunks)
+        self._has_grad: set[int] = set()  # slot indices that received a gradient this step
+        self._in_flight: list[tuple[Chunk, Pending, torch.Tensor]] = []
+        self._buckets: dict[int, torch.Tensor] = {}  # stage 2/3: chunk index -> gradients being collected
+        self._ready: dict[int, int] = {}
+        self._callback_queued = False
+        self._trainable = {c.index: len(c.slots) for c in self.store.chunks}
+        if stage >= 2:
+            for p in self.params:
+                p.register_post_accumulate_grad_hook(self._on_grad)
+
+    # ---- construction ------------------------------------------------------------------------
+    def _make_master(self, chunk: Chunk) -> torch.Tensor:
+        if self.param_dtype == torch.float32 and self.master_device == chunk.shard.device:
+            return chunk.shard  # fp32 on the same device: the shard itself is the master
+        return chunk.shard.detach().to(self.master_device, torch.float32, copy=True)
+
+    def _install_pieces(self, entries: list[tuple[str, nn.Parameter]]) -> None:
+        """Replace the optimizer's parameters by this rank's pieces of them (state is reset:
+        ZeRO is applied before the first step)."""
+        total = len(entries)
+        groups: list[list[nn.Parameter]] = [[] for _ in self.optimizer.param_groups]
+        for chunk, master in zip(self.store.chunks, self.masters):
+            pieces = []
+            for slot, start, end in chunk.shard_pieces():
+                piece = nn.Parameter(master[start:end])
+                piece.tessera_zero_slot = (slot.index, total)  # type: ignore[attr-defined]
+                piece.tessera_full_shape = slot.shape  # type: ignore[attr-defined]
+                original = entries[slot.index][1]
+                for attr in _INHERITED:
+                    if hasattr(original, attr):
+                        setattr(piece, attr, getattr(original, attr))
+                pieces.append((piece, start, end))
+                groups[self._chunk_bin[chunk.index]].append(piece)
+            self._pieces.append(pieces)
+        self.optimizer.state.clear()
+        for group, params in zip(self.optimizer.param_groups, groups):
+            group["params"] = params
+
+    # ---- the optimizer interface -------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop every gradient: the model's, the shards' and the pieces'."""
+        for p in self.params:
+            p.grad = None
+        for pieces in self._pieces:
+            for piece, _, _ in pieces:
+                piece.grad = None
+        self.grad_shards = [None] * len(self.store.chunks)
+        self._has_grad.clear()
+
+    def step(self) -> None:
+        """Step this rank's pieces, write them back into the parameter shards and refresh the
+        parameters (all-gather; stage 3 gathers on next use instead)."""
+        self.optimizer.step()
+        pending = []
+        with torch.no_grad():
+            for chunk, master in zip(self.store.chunks, self.masters):
+                if master is not chunk.shard:
+                    chunk.shard.copy_(master)
+                if self.stage < 3:
+                    pending.append(comm.all_gather_into(chunk.full, chunk.shard.clone(), self.group, async_op=True))
+                else:
+                    chunk.refresh_full()
+        for p in pending:
+            p.wait()
+        for pieces in self._pieces:  # fp32 gradient pieces are transient
+            for piece, _, _ in pieces:
+                piece.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard of the optimizer state (pieces in chunk order)."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+    # ---- gradients ---------------------------------------------------------------------------
+    def _on_grad(self, p: torch.Tensor) -> None:
+        """Stage 2/3, during backward: move ``p``'s gradient into its chunk's bucket; when the
+        chunk is complete, start its reduce-scatter."""
+        chunk, slot = self._slot_of[id(p)]
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._callback_queued = True
+        bucket = self._buckets.get(chunk.index)
+        if bucket is None:
+            bucket = self._buckets[chunk.index] = torch.zeros(
+                chunk.padded_numel, dtype=self.param_dtype, device=chunk.full.device
+            )
+        assert p.grad is not None
+        bucket[slot.offset : slot.offset + slot.numel].copy_(p.grad.reshape(-1))
+        p.grad = None
+        self._has_grad.add(slot.index)
+        self._ready[chunk.index] = self._ready.get(chunk.index, 0) + 1
+        if self._ready[chunk.index] == self._trainable[chunk.index]:
+            self._reduce_bucket(chunk)
+
+    def _reduce_bucket(self, chunk: Chunk) -> None:
+        bucket = self._buckets.pop(chunk.index)
+        out = torch.empty(chunk.shard_numel, dtype=self.param_dtype, device=bucket.device)
+        pending = comm.reduce_scatter_into(out, bucket, self.group, op="avg", async_op=True)
+        self._in_flight.append((chunk, pending, bucket))
+        if not self.overlap_comm:
+            self._drain()
+        self.after_reduce(chunk)
+
+    def after_reduce(self, chunk: Chunk) -> None:
+        """Hook for stage 3: the chunk's gradients are complete (its parameters may go)."""
+
+    def _drain(self) -> None:
+        """Wait for every reduce-scatter in flight and add the results into the gradient shards."""
+        for chunk, pending, _ in self._in_flight:
+            out = pending.wait()
+            current = self.grad_shards[chunk.index]
+            if current is None:
+                self.grad_shards[chunk.index] = out
+            else:
+                current.add_(out)
+        self._in_flight.clear()
+
+    def _finish_backward(self) -> None:
+        """End of a backward pass: reduce chunks some of whose parameters got no gradient,
+        then wait for all reductions."""
+        for chunk in self.store.chunks:
+            if chunk.index in self._buckets:
+                self._reduce_bucket(chunk)
+        self._drain()
+        self._ready.clear()
+        self._callback_queued = False
+
+    def reduce_gradients(self) -> None:
+        """After the step's last backward: make each piece's ``.grad`` the data-parallel average
+        of its gradient (fp32, on the master device). Stage 1 reduces here; stages 2 and 3 have
+        reduced during the backward passes."""
+        if self.stage == 1:
+            self._reduce_full_gradients()
+        for chunk, pieces in zip(self.store.chunks, self._pieces):
+            shard = self.grad_shards[chunk.index]
+            if shard is None:
+                continue
+            for (piece, start, end), (slot, _, _) in zip(pieces, chunk.shard_pieces()):
+                if slot.index not in self._has_grad:
+                    continue  # no rank of the data axis computed it (e.g. another stage's layer)
+                grad = shard[start:end]
+                piece.grad = (
+                    grad
+                    if grad.dtype == piece.dtype and grad.device == piece.device
+                    else grad.to(piece.device, piece.dtype)
+                )
+
+    def _reduce_full_gradients(self) -> None:
+        pending = []
+        for chunk in self.store.chunks:
+            bucket = torch.zeros(chunk.padded_numel, dtype=self.param_dtype, device=chunk.full.device)
+            any_grad = False
+            for slot in chunk.slots:
+                p = self.params[slot.index]
+                if p.grad is not None:
+                    bucket[slot.offset : slot.offset + slot.numel].copy_(p.grad.reshape(-1))
+                    self._has_grad.add(slot.index)
+                    any_grad = True
+            if not any_grad:
+                continue
+            out = torch.empty(chunk.shard_numel, dtype=self.param_dtype, device=bucket.device)
+            pending.append((chunk, comm.reduce_scatter_into(out, bucket, self.group, op="avg", async_op=True), bucket))
+        for chunk, work, _ in pending:
+            self.grad_shards[chunk.index] = work.wait()
+
+    # ---- memory, checkpoints -----------------------------------------------------------------
+    def memory_parts(self) -> dict[str, list[torch.Tensor]]:
+        """The model-state tensors this rank holds, by kind (for ``tessera.memory.report``)."""
+        params: list[torch.Tensor] = [p for p in self.params if p.untyped_storage().nbytes() > 0]
+        if self.stage == 3:
+            params += [c.shard for c in self.store.chunks]
+        grads = [p.grad for p in self.params if p.grad is not None]
+        grads += [g for g in self.grad_shards if g is not None and self.stage >= 2]
+        states = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        states += [m for m, c in zip(self.masters, self.store.chunks) if m is not c.shard]
+        return {"parameters": params, "gradients": grads, "optimizer_states": states}
+
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every parameter readable inside the block (stage 3 gathers and releases again)."""
+        with self.store.gathered() if self.stage == 3 else nullcontext():
+            yield
+
+    def params_loaded(self) -> None:
+        """After new values were written into the (gathered) parameters: take the shards and
+        masters from them."""
+        with torch.no_grad():
+            for chunk, master in zip(self.store.chunks, self.masters):
+                chunk.scatter_from_full()
+                if master is not chunk.shard:
+                    master.copy_(chunk.shard)

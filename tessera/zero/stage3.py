@@ -1,0 +1,125 @@
+"""ZeRO stage 3: parameters too are sharded; each chunk is gathered just before a module that
+uses it runs (forward or backward) and released after.
+
+Forward: a module's pre-hook gathers the chunks of its own parameters and starts gathering those
+of the module that ran next on the first pass (prefetch); its post-hook releases a chunk once
+every module using it has run in this pass. Backward: a hook on the module's outputs gathers
+its chunks again (and prefetches those of the module that ran before it); a chunk is released as soon as
+all its parameters have their gradients, which is also when their reduce-scatter starts.
+Every chunk is thus gathered once in forward and once in backward, and reduce-scattered once:
+3P communicated per step. Autograd's saved views of a weight see the data again after the
+re-gather because a release only shrinks the storage (see ``tessera.memory.chunks``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from tessera.memory.chunks import Chunk, ChunkState
+from tessera.zero.optimizer import ZeroOptimizer
+
+
+class ZeroStage3(ZeroOptimizer):
+    """Stage 3 of :class:`ZeroOptimizer`: also installs the gather/release hooks on ``model``."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: Any, **options: Any) -> None:
+        super().__init__(model, optimizer, ctx, stage=3, **options)
+        self._users: dict[int, int] = {}  # chunk index -> modules that use it directly
+        self._left: dict[int, int] = {}  # per pass: users that have not run yet
+        self._calls: list[list[Chunk]] = []  # the chunks of each module call of the first forward, in order
+        self._cursor = 0  # position in _calls of the module running now (+1)
+        self._recording = True
+        self._backward_queued = False
+        for module in model.modules():
+            chunks = self._chunks_of(module)
+            if not chunks:
+                continue
+            for c in chunks:
+                self._users[c.index] = self._users.get(c.index, 0) + 1
+            module.register_forward_pre_hook(self._make_pre_forward(chunks))
+            module.register_forward_hook(self._make_post_forward(chunks))
+        model.register_forward_pre_hook(self._begin_pass)
+        model.register_forward_hook(self._end_pass)
+        for chunk in self.store.chunks:
+            chunk.release()
+
+    def _chunks_of(self, module: nn.Module) -> list[Chunk]:
+        found: dict[int, Chunk] = {}
+        for p in module.parameters(recurse=False):
+            where = self._slot_of.get(id(p))
+            if where is not None:
+                found[where[0].index] = where[0]
+        return list(found.values())
+
+    # ---- forward -----------------------------------------------------------------------------
+    def _begin_pass(self, module: nn.Module, args: Any) -> None:
+        self._left = dict(self._users)
+        self._cursor = 0
+
+    def _end_pass(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._recording = False
+        for chunk in self.store.chunks:
+            chunk.release()
+
+    def _gather(self, chunks: list[Chunk], backward: bool = False) -> None:
+        """Gather ``chunks`` now and start gathering those of the module that ran next (forward)
+        or before (backward) on the first pass."""
+        if self._recording and not backward:
+            self._calls.append(chunks)
+        self._cursor += -1 if backward else 1
+        for c in chunks:
+            c.gather()
+        if self._recording:
+            return
+        following = self._cursor - 1 if backward else self._cursor
+        if 0 <= following < len(self._calls):
+            for c in self._calls[following]:
+                c.gather(async_op=True)
+
+    def _make_pre_forward(self, chunks: list[Chunk]) -> Any:
+        def pre_forward(module: nn.Module, args: Any) -> None:
+            self._gather(chunks)
+
+        return pre_forward
+
+    def _make_post_forward(self, chunks: list[Chunk]) -> Any:
+        def post_forward(module: nn.Module, args: Any, output: Any) -> None:
+            for c in chunks:
+                self._left[c.index] = self._left.get(c.index, 0) - 1
+                if self._left[c.index] == 0:
+                    c.release()
+            if torch.is_grad_enabled():
+                self._hook_outputs(output, chunks)
+
+        return post_forward
+
+    # ---- backward ----------------------------------------------------------------------------
+    def _hook_outputs(self, output: Any, chunks: list[Chunk]) -> None:
+        """Gather ``chunks`` when the first gradient reaches one of ``output``'s tensors."""
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        fired = [False]
+
+        def before_backward(grad: torch.Tensor) -> torch.Tensor:
+            if not fired[0]:
+                fired[0] = True
+                if not self._backward_queued:
+                    torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+                    self._backward_queued = True
+                self._gather(chunks, backward=True)
+            return grad
+
+        for t in tensors:
+            t.register_hook(before_backward)
+
+    def after_reduce(self, chunk: Chunk) -> None:
+        chunk.release()  # all of its parameters have their gradients
+
+    def _end_backward(self) -> None:
+        self._backward_queued = False
+        for chunk in self.store.chunks:
+            if chunk.state is not ChunkState.SHARDED:
+                chunk.release()

@@ -1,0 +1,236 @@
+"""ZeRO stages 1-3 over the data axis reproduce single-process AdamW; model-state bytes and
+communicated bytes per step follow the ZeRO formulas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import tessera
+from tessera import comm
+from tessera.checkpoint import full_state_dict, load_full_state_dict
+from tessera.errors import ConfigError
+from tessera.memory import model_state_bytes
+from tessera.memory.chunks import ChunkState, IllegalTransition
+from tessera.models import NextTokenLoss, gpt
+from tessera.testing import use_layout
+
+STEPS = 20
+GLOBAL_BATCH = 8
+SEQ = 16
+BUCKET_MB = 0.016  # ~4k fp32 elements a chunk: the small GPT spreads over several chunks
+
+
+def build() -> nn.Module:
+    torch.manual_seed(0)
+    return gpt("tiny", vocab_size=64, max_seq_len=SEQ, d_model=32, n_layers=2, n_heads=4)
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, 64, (GLOBAL_BATCH * STEPS, SEQ + 1), generator=g)
+    return TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+def make_config(stage: int, data: int | None, *, tensor: int = 1, accumulation: int = 1, clip: float | None = None,
+                dtype: str = "fp32", offload: str = "none", overlap: bool = True) -> dict:  # fmt: skip
+    return {
+        "parallel": {"data": data, "tensor": {"size": tensor, "mode": "1d"}},
+        "zero": {"stage": stage, "bucket_mb": BUCKET_MB, "offload_optimizer": offload, "overlap_comm": overlap},
+        "gradient_accumulation": accumulation,
+        "clip_grad_norm": clip,
+        "mixed_precision": {"dtype": dtype},
+    }
+
+
+def train(config: dict, steps: int = STEPS):
+    """Train the GPT with tessera under ``config`` on every rank of the pool."""
+    ctx = use_layout(tensor=config["parallel"]["tensor"]["size"], config=config)
+    model = build()  # under the layout: tensor-parallel layers take their blocks of the full weights
+    # eps above rounding noise: attention's key bias has an exactly-zero gradient (see test_tp_models)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
+    micro = GLOBAL_BATCH // (ctx.size("data") * ctx.config.gradient_accumulation)
+    loader = DataLoader(dataset(), batch_size=micro)
+    engine, loader, _, _ = tessera.initialize(model, optimizer, NextTokenLoss(), loader)
+    it = iter(loader)
+    losses = [engine.train_batch(it) for _ in range(steps)]
+    state = full_state_dict(engine.model)
+    return losses, state if ctx.rank == 0 else None
+
+
+def reference(clip: float | None = None):
+    """Plain single-process PyTorch on the global batch: the answer every layout must give."""
+    model = build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
+    x, y = dataset().tensors
+    losses = []
+    for step in range(STEPS):
+        sl = slice(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
+        optimizer.zero_grad()
+        loss = NextTokenLoss()(model(x[sl]), y[sl])
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, full_state_dict(model)
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {None: reference(), 0.05: reference(0.05)}
+
+
+# (ranks, stage, tensor, accumulation, clip)
+FP32_CASES = [
+    (2, 1, 1, 1, None),
+    (2, 2, 1, 2, 0.05),
+    (2, 3, 1, 1, 0.05),
+    (4, 1, 1, 2, 0.05),
+    (4, 2, 1, 1, None),
+    (4, 3, 1, 2, 0.05),
+    (4, 2, 2, 1, 0.05),  # stage 2 with tp2 (1D) x dp2
+]
+
+
+@pytest.mark.parametrize("ranks,stage,tensor,accumulation,clip", FP32_CASES)
+def test_zero_reproduces_single_process_adamw(pools, references, ranks, stage, tensor, accumulation, clip):
+    data = ranks // tensor
+    config = make_config(stage, data, tensor=tensor, accumulation=accumulation, clip=clip)
+    results = pools.run(ranks, train, config, timeout=600)
+    losses, state = results[0]
+    ref_losses, ref_state = references[clip]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    assert all(r[0] == losses for r in results), "every rank reports the same loss"
+    assert state.keys() == ref_state.keys()
+    for key in ref_state:
+        torch.testing.assert_close(state[key], ref_state[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_bf16_tracks_single_process(pools, references, stage):
+    losses, state = pools.run(4, train, make_config(stage, 4, dtype="bf16", clip=0.05), timeout=600)[0]
+    ref_losses, ref_state = references[0.05]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=0)
+    for key in ref_state:
+        torch.testing.assert_close(state[key].float(), ref_state[key], rtol=2e-2, atol=2e-2, msg=key)
+
+
+def test_zero_overlap_off_and_cpu_offload_give_the_same_answer(pools, references):
+    for options in ({"overlap": False}, {"offload": "cpu"}):
+        losses, _ = pools.run(2, train, make_config(2, 2, **options), timeout=600)[0]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(references[None][0]), rtol=1e-5, atol=0)
+
+
+# ---- memory and communication ----------------------------------------------------------------------
+
+
+def body_accounting(stage: int, dtype: str):
+    """Model-state bytes after a step and ledger bytes of one step, with P counted here."""
+    config = make_config(stage, None, dtype=dtype)
+    config["zero"]["bucket_mb"] = 0.05
+    ctx = use_layout(config=config)
+    model = build()
+    n_params = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine, *_ = tessera.initialize(model, optimizer, NextTokenLoss())
+    x, y = dataset().tensors
+    micro = [(x[:2], y[:2])]
+    engine.train_batch(iter(micro))  # the first step creates Adam's states
+    with comm.ledger() as led:
+        engine.train_batch(iter(micro))
+    moved = {op: led.bytes(op=op, axis="data") for op in ("all_gather", "reduce_scatter")}
+    return n_params, model_state_bytes(model, engine.optimizer), moved, ctx.size("data")
+
+
+# bytes per parameter: (parameters, gradients, optimizer states) as (replicated, sharded) pairs
+FORMULAS = {
+    ("bf16", 1): ((2, 0), (2, 0), (0, 12)),
+    ("bf16", 2): ((2, 0), (0, 2), (0, 12)),
+    ("bf16", 3): ((0, 2), (0, 2), (0, 12)),
+    ("fp32", 1): ((4, 0), (4, 0), (0, 8)),
+    ("fp32", 2): ((4, 0), (0, 4), (0, 8)),
+    ("fp32", 3): ((0, 4), (0, 4), (0, 8)),
+}
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_model_state_bytes_follow_the_zero_formulas(pools, ranks, dtype, stage):
+    for n_params, held, moved, n in pools.run(ranks, body_accounting, stage, dtype, timeout=300):
+        assert n == ranks
+        for kind, (replicated, sharded) in zip(("parameters", "gradients", "optimizer_states"), FORMULAS[dtype, stage]):
+            expected = replicated * n_params + sharded * n_params / n
+            assert held[kind] == pytest.approx(expected, rel=0.01), (kind, held, expected)
+        # ring volumes per rank: an all-gather or a reduce-scatter of P elements moves (N-1)/N * P each
+        element = 2 if dtype == "bf16" else 4
+        ring = (n - 1) / n * n_params * element
+        gathers = 2 if stage == 3 else 1  # stage 3 gathers in forward and again in backward
+        assert moved["all_gather"] == pytest.approx(gathers * ring, rel=0.01)
+        assert moved["reduce_scatter"] == pytest.approx(ring, rel=0.01)
+
+
+# ---- state dicts, errors, the chunk state machine ----------------------------------------------------
+
+
+def load_and_step(stage: int | None):
+    """Load a full state (shifted weights) and take one SGD step; stage None: single process."""
+    ctx = use_layout(config=make_config(stage, None)) if stage is not None else None
+    model = build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    target = {k: v + 0.5 for k, v in full_state_dict(build()).items()}
+    x, y = dataset().tensors
+    if stage is None:
+        load_full_state_dict(model, target)
+        optimizer.zero_grad()
+        NextTokenLoss()(model(x[:4]), y[:4]).backward()
+        optimizer.step()
+        return target, full_state_dict(model)
+    engine, *_ = tessera.initialize(model, optimizer, NextTokenLoss())
+    load_full_state_dict(model, target)  # must reach the shards (and the masters) too
+    after_load = full_state_dict(model)
+    assert ctx is not None
+    mine = slice(2 * ctx.local_rank("data"), 2 * ctx.local_rank("data") + 2)  # this rank's half of the batch
+    engine.train_batch(iter([(x[mine], y[mine])]))
+    return after_load, full_state_dict(model)
+
+
+def test_load_full_state_dict_under_zero(pools):
+    target, ref_after_step = load_and_step(None)
+    for stage in (1, 3):
+        for after_load, after_step in pools.run(2, load_and_step, stage):
+            for key in target:
+                assert torch.equal(after_load[key], target[key]), key
+                torch.testing.assert_close(after_step[key], ref_after_step[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_zero_config_errors():
+    with pytest.raises(ConfigError, match="zero.stage=4"):
+        tessera.config.load_config({"zero": {"stage": 4}})
+    with pytest.raises(ConfigError, match="use zero.stage=1 with pipeline"):
+        tessera.config.load_config({"parallel": {"pipeline": {"size": 2}}, "zero": {"stage": 3}})
+
+
+def body_illegal_transition():
+    ctx = use_layout(config=make_config(3, None))
+    from tessera.memory.chunks import ChunkStore
+
+    store = ChunkStore([("w", torch.arange(10.0))], ctx.group("data"), chunk_numel=100)
+    chunk = store.chunks[0]
+    chunk.release()
+    states = [chunk.state]
+    try:
+        chunk.to_state(ChunkState.SHARDED)
+    except IllegalTransition:
+        states.append("refused")
+    chunk.gather()
+    return [*states, chunk.state, store.view("w").tolist()]
+
+
+def test_chunk_state_machine_refuses_illegal_moves_and_round_trips(pools):
+    for result in pools.run(2, body_illegal_transition):
+        assert result[:3] == [ChunkState.SHARDED, "refused", ChunkState.GATHERED]
+        assert result[3] == [float(i) for i in range(10)]
