@@ -234,3 +234,75 @@ def test_chunk_state_machine_refuses_illegal_moves_and_round_trips(pools):
     for result in pools.run(2, body_illegal_transition):
         assert result[:3] == [ChunkState.SHARDED, "refused", ChunkState.GATHERED]
         assert result[3] == [float(i) for i in range(10)]
+
+
+# ---- fp16 loss scaling, pipelines -------------------------------------------------------------------
+
+
+def test_zero_fp16_tracks_single_process(pools, references):
+    config = make_config(2, 2, dtype="fp16", clip=0.05)
+    config["mixed_precision"]["initial_scale"] = 2.0**10
+    losses, _ = pools.run(2, train, config, timeout=600)[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(references[0.05][0]), rtol=2e-2, atol=0)
+
+
+def body_overflow(stage: int):
+    """fp16 ZeRO on 2 ranks: at step 3 rank 1 alone holds an inf gradient in its shard."""
+    config = make_config(stage, None, dtype="fp16")
+    config["mixed_precision"].update(initial_scale=1024.0, growth_interval=2)
+    ctx = use_layout(config=config)
+    model = build()
+    engine, *_ = tessera.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), NextTokenLoss())
+    x, y = dataset().tensors
+    log = []
+    for step in range(6):
+        engine.zero_grad()
+        engine.backward(engine.criterion(engine(x[2 * step : 2 * step + 2]), y[2 * step : 2 * step + 2]))
+        if step == 3 and ctx.rank == 1:
+            if stage == 1:  # full gradients until the step: rank 1's inf reaches one shard's owner
+                model.lm_head.weight.grad[0, 0] = float("inf")
+            else:  # already reduce-scattered: only rank 1's shard holds it
+                engine.optimizer.grad_shards[0][0] = float("inf")
+        before = full_state_dict(model)
+        stepped = engine.step()
+        after = full_state_dict(model)
+        log.append((stepped, engine.scaler.scale, all(torch.equal(before[k], after[k]) for k in before)))
+    return log
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_an_overflow_in_one_shard_skips_the_step_everywhere(pools, stage):
+    logs = pools.run(2, body_overflow, stage)
+    assert logs[0] == logs[1]
+    stepped, scales, unchanged = zip(*logs[0])
+    assert stepped == (True, True, True, False, True, True)
+    assert unchanged == (False, False, False, True, False, False)
+    assert scales == (1024.0, 2048.0, 2048.0, 1024.0, 1024.0, 2048.0)
+
+
+def train_pipeline(config: dict):
+    """The GPT in 2 pipeline stages x 2 data ranks, ZeRO-1 over the data axis."""
+    ctx = use_layout(pipeline=2, config=config)
+    model = build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
+    engine, *_ = tessera.initialize(model, optimizer, NextTokenLoss())
+    x, y = dataset().tensors
+    per_rank = GLOBAL_BATCH // ctx.size("data")
+    micro = per_rank // 2
+    losses = []
+    for step in range(STEPS):
+        base = step * GLOBAL_BATCH + ctx.local_rank("data") * per_rank
+        batches = [(x[base + i * micro : base + (i + 1) * micro], y[base + i * micro : base + (i + 1) * micro])
+                   for i in range(2)]  # fmt: skip
+        losses.append(engine.train_batch(iter(batches)))
+    return losses, full_state_dict(model)
+
+
+def test_zero1_with_pipeline_and_data_parallelism(pools, references):
+    config = make_config(1, 2, clip=0.05)
+    config["parallel"]["pipeline"] = {"size": 2, "schedule": "1f1b", "microbatches": 2}
+    losses, state = pools.run(4, train_pipeline, config, timeout=600)[0]
+    ref_losses, ref_state = references[0.05]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    for key in ref_state:
+        torch.testing.assert_close(state[key], ref_state[key], rtol=1e-5, atol=1e-6, msg=key)
