@@ -306,3 +306,42 @@ def test_zero1_with_pipeline_and_data_parallelism(pools, references):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     for key in ref_state:
         torch.testing.assert_close(state[key], ref_state[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+# ---- LAMB and LARS over ZeRO pieces -----------------------------------------------------------------
+
+
+def make_large_batch_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    if name == "lamb":
+        return tessera.optim.LAMB(model.parameters(), lr=1e-2, weight_decay=0.01)
+    return tessera.optim.LARS(model.parameters(), lr=0.5, weight_decay=1e-4, trust_coefficient=0.02)
+
+
+def train_large_batch(name: str, stage: int | None, steps: int = 10):
+    """LAMB/LARS on the GPT: under ZeRO on 4 data ranks, or (stage None) in this process."""
+    if stage is not None:
+        ctx = use_layout(config=make_config(stage, None))
+    model = build()
+    optimizer = make_large_batch_optimizer(name, model)
+    x, y = dataset().tensors
+    if stage is None:
+        for step in range(steps):
+            sl = slice(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
+            optimizer.zero_grad()
+            NextTokenLoss()(model(x[sl]), y[sl]).backward()
+            optimizer.step()
+        return full_state_dict(model)
+    engine, *_ = tessera.initialize(model, optimizer, NextTokenLoss())
+    per_rank = GLOBAL_BATCH // ctx.size("data")
+    for step in range(steps):
+        start = step * GLOBAL_BATCH + ctx.local_rank("data") * per_rank
+        engine.train_batch(iter([(x[start : start + per_rank], y[start : start + per_rank])]))
+    return full_state_dict(model)
+
+
+@pytest.mark.parametrize("name", ["lamb", "lars"])
+def test_lamb_and_lars_under_zero2_match_single_process(pools, name):
+    expected = train_large_batch(name, None)
+    for state in pools.run(4, train_large_batch, name, 2, timeout=600):
+        for key in expected:
+            torch.testing.assert_close(state[key], expected[key], rtol=1e-6, atol=1e-6, msg=key)
