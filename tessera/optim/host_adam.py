@@ -190,7 +190,11 @@ class HostAdamW(torch.optim.AdamW):
             views = bucket.views["grad"]
             stale = [i for i, g in enumerate(grads) if g is not views[i]]
             if stale:
-                torch._foreach_copy_([views[i] for i in stale], [grads[i] for i in stale])  # type: ignore[misc]
+                flat_grad = bucket.flat["grad"]
+                if len(stale) == len(grads) and all(g.dim() == 1 and g.dtype == flat_grad.dtype for g in grads):  # type: ignore[union-attr]
+                    torch.cat(grads, out=flat_grad)  # type: ignore[arg-type]  # 1-D pieces: one copy kernel
+                else:
+                    torch._foreach_copy_([views[i] for i in stale], [grads[i] for i in stale])  # type: ignore[misc]
                 for i in stale:
                     bucket.params[i].grad = views[i]  # later backwards accumulate into the flat buffer
             step = bucket.steps[0:1].view(())

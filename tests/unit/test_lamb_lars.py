@@ -9,11 +9,19 @@ import pytest
 import torch
 from torch import nn
 
+from tessera.context import set_context
 from tessera.optim import LAMB, LARS, whole_sq_norms
 from tessera.optim.lamb import default_exclude
 from tessera.testing import use_layout
 
 STEPS = 20
+
+
+@pytest.fixture(autouse=True)
+def no_context_left_behind():
+    """Tests here that make a one-rank context current clear it after them."""
+    yield
+    set_context(None)
 
 
 def mlp() -> nn.Module:
