@@ -37,6 +37,7 @@ from tessera.comm import Pending
 from tessera.context import ParallelContext
 from tessera.errors import ConfigError
 from tessera.memory.chunks import Chunk, ChunkStore, Slot
+from tessera.optim.host_adam import HostAdamW
 
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # attributes a parameter may carry that its pieces must keep (how it is split, who owns it)
@@ -97,9 +98,15 @@ class ZeroOptimizer:
             p.data = self.store.view(name)  # the parameter now lives in its chunk
             self._slot_of[id(p)] = self.store.locate(name)
         self._chunk_bin = {c.index: bins[c.slots[0].index] for c in self.store.chunks}
-        self.masters = [self._make_master(c) for c in self.store.chunks]
         self._pieces: list[list[tuple[nn.Parameter, int, int]]] = []  # per chunk: (piece, start, end)
-        self._install_pieces(entries)
+        self._install_pieces(entries, [self._make_master(c) for c in self.store.chunks])
+        if offload == "cpu" and type(optimizer) is torch.optim.AdamW:
+            self._use_host_adamw()  # may move the pieces into flat buffers of its own
+        # pieces that are not the parameter shard itself: copied into it after each step
+        self._separate = any(
+            piece.data_ptr() != c.shard[start].data_ptr() for c, ps in zip(self.store.chunks, self._pieces)
+            for piece, start, _ in ps
+        )  # fmt: skip
         self.grad_shards: list[torch.Tensor | None] = [None] * len(self.store.chunks)
         self._has_grad: set[int] = set()  # slot indices that received a gradient this step
         self._in_flight: list[tuple[Chunk, Pending, torch.Tensor]] = []
@@ -117,12 +124,12 @@ class ZeroOptimizer:
             return chunk.shard  # fp32 on the same device: the shard itself is the master
         return chunk.shard.detach().to(self.master_device, torch.float32, copy=True)
 
-    def _install_pieces(self, entries: list[tuple[str, nn.Parameter]]) -> None:
+    def _install_pieces(self, entries: list[tuple[str, nn.Parameter]], masters: list[torch.Tensor]) -> None:
         """Replace the optimizer's parameters by this rank's pieces of them (state is reset:
         ZeRO is applied before the first step)."""
         total = len(entries)
         groups: list[list[nn.Parameter]] = [[] for _ in self.optimizer.param_groups]
-        for chunk, master in zip(self.store.chunks, self.masters):
+        for chunk, master in zip(self.store.chunks, masters):
             pieces = []
             for slot, start, end in chunk.shard_pieces():
                 piece = nn.Parameter(master[start:end])
@@ -138,6 +145,18 @@ class ZeroOptimizer:
         self.optimizer.state.clear()
         for group, params in zip(self.optimizer.param_groups, groups):
             group["params"] = params
+
+    def _use_host_adamw(self) -> None:
+        """Offloaded AdamW steps with ``HostAdamW`` (flat host buffers, fused CPU kernel). It
+        shares the user's parameter-group dicts, so schedulers that change their ``lr`` still
+        reach it."""
+        user = self.optimizer
+        keys = ("params", "lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+        host = HostAdamW([{k: g[k] for k in keys if k in g} for g in user.param_groups])
+        for host_group, user_group in zip(host.param_groups, user.param_groups):
+            user_group.update(fused=host_group["fused"], foreach=host_group["foreach"], params=host_group["params"])
+        host.param_groups = user.param_groups
+        self.optimizer = host
 
     # ---- the optimizer interface -------------------------------------------------------------
     @property
@@ -168,9 +187,9 @@ class ZeroOptimizer:
         self.optimizer.step()
         pending = []
         with torch.no_grad():
-            for chunk, master in zip(self.store.chunks, self.masters):
-                if master is not chunk.shard:
-                    chunk.shard.copy_(master)
+            for chunk, pieces in zip(self.store.chunks, self._pieces):
+                if self._separate and pieces:
+                    torch._foreach_copy_([chunk.shard[a:b] for _, a, b in pieces], [p for p, _, _ in pieces])
                 if self.stage < 3:
                     pending.append(comm.all_gather_into(chunk.full, chunk.shard.clone(), self.group, async_op=True))
                 else:
@@ -289,7 +308,8 @@ class ZeroOptimizer:
         grads = [p.grad for p in self.params if p.grad is not None]
         grads += [g for g in self.grad_shards if g is not None and self.stage >= 2]
         states = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        states += [m for m, c in zip(self.masters, self.store.chunks) if m is not c.shard]
+        if self._separate:  # fp32 masters kept apart from the parameter shards
+            states += [piece for pieces in self._pieces for piece, _, _ in pieces]
         return {"parameters": params, "gradients": grads, "optimizer_states": states}
 
     @contextmanager
@@ -302,7 +322,7 @@ class ZeroOptimizer:
         """After new values were written into the (gathered) parameters: take the shards and
         masters from them."""
         with torch.no_grad():
-            for chunk, master in zip(self.store.chunks, self.masters):
+            for chunk, pieces in zip(self.store.chunks, self._pieces):
                 chunk.scatter_from_full()
-                if master is not chunk.shard:
-                    master.copy_(chunk.shard)
+                if self._separate and pieces:
+                    torch._foreach_copy_([p for p, _, _ in pieces], [chunk.shard[a:b] for _, a, b in pieces])

@@ -345,3 +345,29 @@ def test_lamb_and_lars_under_zero2_match_single_process(pools, name):
     for state in pools.run(4, train_large_batch, name, 2, timeout=600):
         for key in expected:
             torch.testing.assert_close(state[key], expected[key], rtol=1e-6, atol=1e-6, msg=key)
+
+
+def body_offload_setup(stage: int):
+    """With offload, AdamW steps as HostAdamW on host tensors, and a scheduler built on the
+    user's optimizer before initialize still sets the learning rate that is used."""
+    use_layout(config=make_config(stage, None, dtype="bf16", offload="cpu"))
+    model = build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.0 if step >= 1 else 1.0)
+    engine, *_ = tessera.initialize(model, optimizer, NextTokenLoss())
+    inner = engine.optimizer.optimizer
+    pieces = [p for g in engine.optimizer.param_groups for p in g["params"]]
+    x, y = dataset().tensors
+    engine.train_batch(iter([(x[:2], y[:2])]))
+    scheduler.step()  # lr 0 from now on: the weights must stop changing
+    before = full_state_dict(model)
+    engine.train_batch(iter([(x[2:4], y[2:4])]))
+    after = full_state_dict(model)
+    frozen = all(torch.equal(before[k], after[k]) for k in before)
+    return type(inner).__name__, {p.device.type for p in pieces}, {p.dtype for p in pieces}, frozen
+
+
+def test_cpu_offload_uses_host_adamw_and_follows_the_scheduler(pools):
+    for stage in (2, 3):
+        for name, devices, dtypes, frozen in pools.run(2, body_offload_setup, stage):
+            assert (name, devices, dtypes, frozen) == ("HostAdamW", {"cpu"}, {torch.float32}, True)
