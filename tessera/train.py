@@ -35,7 +35,7 @@ from tessera.engine import (
     Trainer,
 )
 from tessera.models import NextTokenLoss, gpt
-from tessera.optim import lr_schedule
+from tessera.optim import LAMB, LARS, lr_schedule
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -45,7 +45,11 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+    if cfg.name == "lars":
+        return LARS(groups, lr=cfg.lr, momentum=cfg.momentum, trust_coefficient=cfg.trust_coefficient)
     betas = (cfg.betas[0], cfg.betas[1])
+    if cfg.name == "lamb":
+        return LAMB(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
     if cfg.name == "adam":
         return torch.optim.Adam(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)

@@ -234,12 +234,15 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    name: Literal["adamw", "adam", "sgd"] = _field("adamw", "Optimizer.")
+    name: Literal["adamw", "adam", "sgd", "lamb", "lars"] = _field(
+        "adamw", "Optimizer (lamb and lars: tessera.optim, for large batches)."
+    )
     lr: float = _field(2e-3, "Peak learning rate.")
     weight_decay: float = _field(0.1, "Weight decay (decoupled for adamw).")
     betas: list[float] = _field_factory(lambda: [0.9, 0.95], "Adam betas.")
     eps: float = _field(1e-8, "Adam epsilon.")
-    momentum: float = _field(0.9, "SGD momentum.")
+    momentum: float = _field(0.9, "SGD and LARS momentum.")
+    trust_coefficient: float = _field(0.001, "LARS trust coefficient.")
 
     def validate(self, path: str) -> None:
         if self.lr <= 0:

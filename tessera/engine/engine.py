@@ -173,14 +173,21 @@ class Engine:
                 self.optimizer.zero_grad(set_to_none=True)
                 return False
         if self.clip_grad_norm is not None:
-            self.last_grad_norm = float(clip_grad_norm_(params, self.clip_grad_norm, self.ctx))
+            norm = self._grad_norm(params)
+            self.last_grad_norm = float(clip_grad_norm_(params, self.clip_grad_norm, self.ctx, norm=norm))
         self.optimizer.step()
         self.last_step_skipped = False
         return True
 
+    def _grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """The whole model's gradient norm (ZeRO's pieces need their own bookkeeping)."""
+        if isinstance(self.optimizer, ZeroOptimizer):
+            return self.optimizer.grad_norm()
+        return global_grad_norm(params, self.ctx)
+
     def _overflow_anywhere(self, params: list[nn.Parameter]) -> bool:
         """Whether any rank of the world holds a non-finite gradient."""
-        norm = global_grad_norm(params, self.ctx)
+        norm = self._grad_norm(params)
         flag = torch.tensor([0.0 if math.isfinite(float(norm)) else 1.0], device=self.ctx.device)
         comm.all_reduce(flag, self.ctx.group("world"), op="max")
         return bool(flag.item() > 0)

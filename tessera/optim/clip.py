@@ -46,14 +46,19 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], ctx: ParallelContext 
 
 
 def clip_grad_norm_(
-    params: Iterable[torch.nn.Parameter], max_norm: float, ctx: ParallelContext | None = None
+    params: Iterable[torch.nn.Parameter],
+    max_norm: float,
+    ctx: ParallelContext | None = None,
+    norm: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Scale gradients so their global norm is at most ``max_norm``; returns the norm before.
+    """Scale gradients so their global norm is at most ``max_norm``; returns the norm before
+    (``norm``: that norm when the caller has computed it already).
 
     Same arithmetic as ``torch.nn.utils.clip_grad_norm_``: ``g *= min(1, max_norm / (norm + 1e-6))``.
     """
     params = list(params)
-    norm = global_grad_norm(params, ctx)
+    if norm is None:
+        norm = global_grad_norm(params, ctx)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     grads = [p.grad for p in params if p.grad is not None]
     if grads:

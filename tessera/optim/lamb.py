@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from tessera.context import ParallelContext
-from tessera.optim.norms import full_ndim, resolve_context, whole_sq_norms
+from tessera.optim.norms import full_ndim, resolve_context, whole_sq_norms, zero_layout_of
 
 ExcludeRule = Callable[[torch.Tensor], bool]
 
@@ -97,7 +97,10 @@ class LAMB(torch.optim.Optimizer):
         # Phase 2: every trust-ratio norm of the step in one call (one all-reduce per kind of split).
         n = len(adapted_params)
         sq = whole_sq_norms(
-            adapted_params + adapted_updates, adapted_params + adapted_params, resolve_context(self.ctx)
+            adapted_params + adapted_updates,
+            adapted_params + adapted_params,
+            resolve_context(self.ctx),
+            zero_layout_of(self, 2),
         )
         ratios = trust_ratio(sq[:n], sq[n:])
         # Phase 3: w -= lr * ratio * u, with per-tensor scales kept on the device (no host sync).

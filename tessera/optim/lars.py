@@ -24,7 +24,7 @@ import torch
 
 from tessera.context import ParallelContext
 from tessera.optim.lamb import ExcludeRule, check_hyperparameters, default_exclude
-from tessera.optim.norms import resolve_context, whole_sq_norms
+from tessera.optim.norms import resolve_context, whole_sq_norms, zero_layout_of
 
 
 class LARS(torch.optim.Optimizer):
@@ -81,7 +81,12 @@ class LARS(torch.optim.Optimizer):
             adapted_grads += [params[i].grad for i in adapted]
         # Every norm of the step in one call (one all-reduce per kind of split).
         n = len(adapted_params)
-        sq = whole_sq_norms(adapted_params + adapted_grads, adapted_params + adapted_params, resolve_context(self.ctx))
+        sq = whole_sq_norms(
+            adapted_params + adapted_grads,
+            adapted_params + adapted_params,
+            resolve_context(self.ctx),
+            zero_layout_of(self, 2),
+        )
         w_norm, g_norm = sq[:n].sqrt(), sq[n:].sqrt()
         offset = 0
         for group, params, adapted in plans:

@@ -33,6 +33,16 @@ def full_ndim(param: torch.Tensor) -> int:
     return len(getattr(param, "tessera_full_shape", param.shape))
 
 
+def zero_layout_of(optimizer: torch.optim.Optimizer, quantities: int) -> tuple[int, int] | None:
+    """``(quantities, nslots)`` when ``optimizer`` holds ZeRO pieces (any of its tensors), else None."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            slot = getattr(p, "tessera_zero_slot", None)
+            if slot is not None:
+                return quantities, int(slot[1])
+    return None
+
+
 def resolve_context(ctx: ParallelContext | None) -> ParallelContext | None:
     """``ctx`` if given, else the current tessera context if there is one, else None (local)."""
     if ctx is not None:
@@ -49,7 +59,10 @@ def local_sq_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def whole_sq_norms(
-    tensors: Sequence[torch.Tensor], params: Sequence[torch.Tensor], ctx: ParallelContext | None
+    tensors: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+    ctx: ParallelContext | None,
+    zero_layout: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Squared 2-norm of the whole parameter that each ``tensors[i]`` is a piece of.
 
@@ -65,14 +78,16 @@ def whole_sq_norms(
     of the data group must call it with pieces (a zero-length one will do), the same ``nslots``
     and the same number of quantities per piece; every rank of a tensor group must call it with
     the same set of ``tessera_sharded_along`` tuples (one all-reduce per distinct tuple and
-    axis, in sorted order).
+    axis, in sorted order). ``zero_layout = (quantities per piece, nslots)``, when the caller
+    knows it holds ZeRO pieces, makes the data all-reduce happen even when this rank passes
+    none (its pieces were all excluded, say), so that it still meets the other ranks.
     """
     if len(tensors) != len(params):
         raise ValueError(f"whole_sq_norms: {len(tensors)} tensors for {len(params)} parameters")
     sq = local_sq_norms(tensors)
     if ctx is None:
         return sq
-    _sum_zero_pieces(sq, params, ctx)
+    _sum_zero_pieces(sq, params, ctx, zero_layout)
     by_axes: dict[tuple[str, ...], list[int]] = defaultdict(list)
     for i, p in enumerate(params):
         axes = tuple(getattr(p, "tessera_sharded_along", ()))
@@ -87,7 +102,9 @@ def whole_sq_norms(
     return sq
 
 
-def _sum_zero_pieces(sq: torch.Tensor, params: Sequence[torch.Tensor], ctx: ParallelContext) -> None:
+def _sum_zero_pieces(
+    sq: torch.Tensor, params: Sequence[torch.Tensor], ctx: ParallelContext, layout: tuple[int, int] | None = None
+) -> None:
     """Sum, over the data axis and in place, the squared norms of ZeRO pieces (one all-reduce).
 
     A parameter listed k times (several quantities of it, as LAMB's weights and updates) fills
@@ -99,7 +116,7 @@ def _sum_zero_pieces(sq: torch.Tensor, params: Sequence[torch.Tensor], ctx: Para
     rows: list[int] = []
     slots: list[int] = []
     seen: dict[int, int] = defaultdict(int)
-    nslots: int | None = None
+    nslots: int | None = layout[1] if layout is not None else None
     for i, p in enumerate(params):
         slot = getattr(p, "tessera_zero_slot", None)
         if slot is None:
@@ -117,9 +134,13 @@ def _sum_zero_pieces(sq: torch.Tensor, params: Sequence[torch.Tensor], ctx: Para
         slots.append(s)
     if nslots is None:
         return
-    at = (torch.tensor(rows, device=sq.device), torch.tensor(slots, device=sq.device))
-    picked = torch.tensor(index, device=sq.device)
-    dense = torch.zeros(max(rows) + 1, nslots, dtype=torch.float32, device=sq.device)
+    height = layout[0] if layout is not None else max(rows) + 1
+    at = (
+        torch.tensor(rows, dtype=torch.long, device=sq.device),
+        torch.tensor(slots, dtype=torch.long, device=sq.device),
+    )
+    picked = torch.tensor(index, dtype=torch.long, device=sq.device)
+    dense = torch.zeros(height, nslots, dtype=torch.float32, device=sq.device)
     dense.index_put_(at, sq.index_select(0, picked), accumulate=True)  # two pieces of one slot add up
     comm.all_reduce(dense, ctx.group("data"))
     sq.index_copy_(0, picked, dense[at])

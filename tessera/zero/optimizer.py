@@ -142,6 +142,22 @@ class ZeroOptimizer:
                 pieces.append((piece, start, end))
                 groups[self._chunk_bin[chunk.index]].append(piece)
             self._pieces.append(pieces)
+        # A rank whose shards are all padding still joins the norms' collectives (LAMB, LARS)
+        # through one empty piece.
+        self._empty: nn.Parameter | None = None
+        if not any(groups):
+            self._empty = nn.Parameter(torch.zeros(0, device=self.master_device))
+            self._empty.tessera_zero_slot = (0, total)  # type: ignore[attr-defined]
+            self._empty.tessera_full_shape = entries[0][1].shape  # type: ignore[attr-defined]
+            groups[0].append(self._empty)
+        # What the gradient norm needs of every parameter (the same on every data rank): the
+        # tensor axes it is split along, and whether this pipeline stage counts it.
+        stage = self.ctx.local_rank("pipeline")
+        self._norm_axes: dict[tuple[str, ...], list[int]] = {}
+        for index, (_, p) in enumerate(entries):
+            owner = getattr(p, "tessera_pipeline_owner", None)
+            if owner is None or owner == stage:
+                self._norm_axes.setdefault(tuple(getattr(p, "tessera_sharded_along", ())), []).append(index)
         self.optimizer.state.clear()
         for group, params in zip(self.optimizer.param_groups, groups):
             group["params"] = params
@@ -267,6 +283,8 @@ class ZeroOptimizer:
         reduced during the backward passes."""
         if self.stage == 1:
             self._reduce_full_gradients()
+        if self._empty is not None:
+            self._empty.grad = torch.zeros_like(self._empty)
         for chunk, pieces in zip(self.store.chunks, self._pieces):
             shard = self.grad_shards[chunk.index]
             if shard is None:
@@ -280,6 +298,32 @@ class ZeroOptimizer:
                     if grad.dtype == piece.dtype and grad.device == piece.device
                     else grad.to(piece.device, piece.dtype)
                 )
+
+    def grad_norm(self) -> torch.Tensor:
+        """The 2-norm of the whole model's gradient from the pieces' gradients (after
+        :meth:`reduce_gradients`): squared norms per parameter are summed over the data axis,
+        then over the tensor axes that split each parameter and over pipeline stages. Every
+        rank makes the same collectives whatever its shard holds."""
+        device = self.ctx.device
+        per_param = torch.zeros(len(self.params), dtype=torch.float32, device=device)
+        index, grads = [], []
+        for pieces in self._pieces:
+            for piece, _, _ in pieces:
+                if piece.grad is not None:
+                    index.append(piece.tessera_zero_slot[0])  # type: ignore[attr-defined]
+                    grads.append(piece.grad)
+        if grads:
+            squares = torch.stack([n.float() for n in torch._foreach_norm(grads, 2.0)]).pow(2).to(device)
+            per_param.index_add_(0, torch.tensor(index, device=device), squares)
+        comm.all_reduce(per_param, self.group)
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for axes, members in sorted(self._norm_axes.items()):
+            part = per_param[members].sum()
+            for axis in axes:
+                comm.all_reduce(part, self.ctx.group(axis))
+            total = total + part
+        comm.all_reduce(total, self.ctx.group("pipeline"))
+        return total.sqrt()
 
     def _reduce_full_gradients(self) -> None:
         pending = []

@@ -371,3 +371,35 @@ def test_cpu_offload_uses_host_adamw_and_follows_the_scheduler(pools):
     for stage in (2, 3):
         for name, devices, dtypes, frozen in pools.run(2, body_offload_setup, stage):
             assert (name, devices, dtypes, frozen) == ("HostAdamW", {"cpu"}, {torch.float32}, True)
+
+
+def tiny_lamb_run(stage: int | None):
+    """A 3-parameter model on 4 ranks: two ranks' shards are all padding, yet clipping and
+    LAMB's norms (collectives over the data axis) must still meet on every rank."""
+    ctx = use_layout(config=make_config(stage, None, clip=0.1)) if stage is not None else None
+    torch.manual_seed(0)
+    model = nn.Linear(2, 1)
+    optimizer = tessera.optim.LAMB(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(5 * 8, 2, generator=g), torch.randn(5 * 8, 1, generator=g)
+    if ctx is None:
+        for step in range(5):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x[8 * step : 8 * step + 8]), y[8 * step : 8 * step + 8]).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            optimizer.step()
+        return model.state_dict()
+    engine, *_ = tessera.initialize(model, optimizer, nn.MSELoss())
+    rank = ctx.local_rank("data")
+    for step in range(5):
+        start = 8 * step + 2 * rank
+        engine.train_batch(iter([(x[start : start + 2], y[start : start + 2])]))
+    return full_state_dict(model)
+
+
+def test_ranks_holding_only_padding_still_join_every_norm(pools):
+    expected = tiny_lamb_run(None)
+    for stage in (1, 2, 3):
+        for state in pools.run(4, tiny_lamb_run, stage, timeout=120):
+            for key in expected:
+                torch.testing.assert_close(state[key], expected[key], rtol=1e-6, atol=1e-7, msg=(stage, key))
