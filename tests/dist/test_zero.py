@@ -92,6 +92,7 @@ FP32_CASES = [
     (4, 2, 1, 1, None),
     (4, 3, 1, 2, 0.05),
     (4, 2, 2, 1, 0.05),  # stage 2 with tp2 (1D) x dp2
+    (4, 3, 2, 2, 0.05),  # stage 3 with tp2 (1D) x dp2
 ]
 
 
