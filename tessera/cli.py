@@ -77,6 +77,7 @@ BENCH_TARGETS: dict[str, str] = {  # name -> "module:function"; each strategy ad
     "dp": "tessera.bench.dp:main",
     "tp": "tessera.bench.tp:main",
     "pp": "tessera.bench.pp:main",
+    "zero": "tessera.bench.zero:main",
 }
 
 

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
-from tessera.bench import dp, pp, tp
+from tessera.bench import dp, pp, tp, zero
 from tessera.bench.report import write_rows
 
 FIELDS = {"name", "metric", "value", "anchor", "anchor_value", "ratio"}
@@ -36,3 +37,31 @@ def test_bench_tp_rows(tmp_path):
 def test_bench_pp_rows(tmp_path):
     data = check(pp.run(ranks=[2], hidden=32, layers=4, blocks=2, steps=1), tmp_path, {"step_time_s"})
     assert {row["name"].split()[1] for row in data} == {"gpipe", "1f1b", "interleaved-v2", "zero_bubble"}
+
+
+def test_bench_zero_rows(tmp_path):
+    losses = {}
+    rows = zero.run(
+        ranks=[2], preset="tiny", seq_len=16, micro_batch=2, blocks=2, steps=1, memory_steps=1, losses=losses
+    )
+    data = check(rows, tmp_path, {"step_time_s", "peak_rss_growth_bytes"})
+    ds = zero.deepspeed_available()  # CI does not install the bench extra: then its rows are absent
+    expected = {("zero1", "DeepSpeed ZeRO-1"), ("zero2", "DeepSpeed ZeRO-2"), ("zero2", "torch FSDP2 no-reshard"),
+                ("zero3", "torch FSDP2"), ("zero3", "DeepSpeed ZeRO-3"), ("offload", "DeepSpeed ZeRO-Offload")}  # fmt: skip
+    pairs = {(row["name"].split()[0], row["anchor"].split(" (")[0]) for row in data if row["metric"] == "step_time_s"}
+    assert pairs == {p for p in expected if ds or "DeepSpeed" not in p[1]}
+    # every side took the same steps on the same data from the same weights: the same loss as
+    # tessera's (fp32; DeepSpeed's CPU Adam rounds slightly differently)
+    reference = losses["tessera zero1 dp2"]
+    assert len(losses) == (10 if ds else 6)
+    for side, value in losses.items():
+        assert abs(value - reference) <= 1e-5 * abs(reference), (side, value, reference)
+
+
+def test_bench_zero_says_when_deepspeed_is_absent(monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(zero, "deepspeed_available", lambda: False)
+    monkeypatch.setattr(zero, "run", lambda **kwargs: calls.append(kwargs) or [])
+    assert zero.main(argparse.Namespace(ranks=2, out=None)) == 0
+    assert calls[0]["ranks"] == [2] and calls[0]["with_deepspeed"] is False
+    assert "DeepSpeed is not installed: its rows are absent" in capsys.readouterr().out
