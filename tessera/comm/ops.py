@@ -321,14 +321,16 @@ def recv(tensor: torch.Tensor, group: Group, src: int) -> torch.Tensor:
     return tensor
 
 
-def batch_p2p(ops: Sequence[P2POp]) -> None:
-    """Issue several sends and receives together and wait for all of them.
+def batch_p2p(ops: Sequence[P2POp], *, async_op: bool = False) -> list[Pending]:
+    """Issue several sends and receives together, in order; wait for all of them unless ``async_op``.
 
     Tensors must be contiguous (gloo cannot send strided views); receive buffers are filled in
-    place.
+    place. Returns one :class:`Pending` per op, in order (already complete unless ``async_op``):
+    with ``async_op`` the caller waits for each (under the watchdog) before reading a receive
+    buffer or reusing a send buffer, so that compute can run while the transfers travel.
     """
     if not ops:
-        return
+        return []
     issued: list[tuple[P2POp, AxisGroup]] = []
     torch_ops: list[dist.P2POp] = []
     for op in ops:
@@ -346,5 +348,10 @@ def batch_p2p(ops: Sequence[P2POp]) -> None:
         torch_ops.append(dist.P2POp(fn, op.tensor, g.global_rank_of(op.peer), g.pg))
         issued.append((op, g))
     works = dist.batch_isend_irecv(torch_ops)
-    for work, (op, g) in zip(works, issued, strict=True):
-        _wait(work, f"{op.kind} (peer {op.peer})", g)
+    pending = [
+        Pending(work, f"{op.kind} (peer {op.peer})", g, op.tensor) for work, (op, g) in zip(works, issued, strict=True)
+    ]
+    if not async_op:
+        for p in pending:
+            p.wait()
+    return pending

@@ -1,5 +1,6 @@
 """The pipeline runtime runs every schedule on real gloo ranks and reproduces plain PyTorch with
-gradient accumulation: same losses, same weights, and the p2p bytes the schedule implies."""
+gradient accumulation: same losses, same weights, and the p2p bytes the schedule implies. The
+zero-bubble split of a backward (B, then W) gives the gradients of one whole backward."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from torch import nn
 
 from tessera import comm
 from tessera.comm import single_rank_group
-from tessera.parallel.pipeline import Kind, build_schedule
+from tessera.parallel.pipeline import Action, Kind, add_p2p, build_schedule, validate
+from tessera.parallel.pipeline.backward import backward_input, backward_weight
 from tessera.parallel.pipeline.partition import chunk_ranges, chunks_of_rank, uniform
 from tessera.parallel.pipeline.runtime import PipelineRuntime, build_chunks
 from tessera.testing import use_layout
@@ -22,6 +24,7 @@ STEPS = 10
 LR = 0.1
 BOUNDARY_BYTES = MICRO * WIDTH * 4  # one fp32 activation (or its gradient) crossing a chunk boundary
 HEADER_BYTES = 8 * 8  # the int64 [8] shape header sent once per boundary
+LOSS_BYTES = 8  # the step's float64 loss, riding on the last micro-batch's gradient at every boundary
 
 
 def make_model() -> nn.Sequential:
@@ -71,7 +74,12 @@ def body_pipeline(schedule: str, p: int, m: int, v: int, data: int):
         opt.zero_grad()
         with comm.ledger() as led:
             losses.append(runtime.run(inputs, targets))
-        traffic.append({op: (led.calls(op, "pipeline"), led.payload_bytes(op, "pipeline")) for op in ("send", "recv")})
+        traffic.append(
+            {
+                op: (led.calls(op, "pipeline"), led.payload_bytes(op, "pipeline"))
+                for op in ("send", "recv", "all_reduce")
+            }
+        )
         opt.step()
     ranges = chunk_ranges(boundaries, BLOCKS)
     mine = {k for c in chunk_ids for k in range(*ranges[c])}
@@ -79,7 +87,12 @@ def body_pipeline(schedule: str, p: int, m: int, v: int, data: int):
     sends = sum(a.kind.is_send for a in actions)
     receives = sum(a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD) for a in actions)
     act_boundaries = len({(a.kind, a.chunk) for a in actions if a.kind in (Kind.SEND_ACT, Kind.RECV_ACT)})
-    return losses, state, traffic, (sends, receives, act_boundaries)
+    carriers = {
+        k: sum(a.kind is k and a.microbatch == m - 1 for a in actions) for k in (Kind.SEND_GRAD, Kind.RECV_GRAD)
+    }
+    sent = sends * BOUNDARY_BYTES + carriers[Kind.SEND_GRAD] * LOSS_BYTES
+    received = receives * BOUNDARY_BYTES + carriers[Kind.RECV_GRAD] * LOSS_BYTES
+    return losses, state, traffic, (sends, receives, act_boundaries, sent, received)
 
 
 CASES = [
@@ -110,31 +123,34 @@ def test_pipeline_matches_single_process(pools, schedule, p, m, v, data):
     for key, expected in ref_state.items():
         torch.testing.assert_close(merged[key], expected, rtol=1e-5, atol=1e-7, msg=key)
 
-    for _, _, traffic, (sends, receives, act_boundaries) in results:
+    for _, _, traffic, (sends, receives, act_boundaries, sent, received) in results:
         first, later = traffic[0], traffic[1]
-        # After the first step every transfer is one activation or gradient of [MICRO, WIDTH].
-        assert later["send"] == (sends, sends * BOUNDARY_BYTES)
-        assert later["recv"] == (receives, receives * BOUNDARY_BYTES)
+        # After the first step every transfer is one activation or gradient of [MICRO, WIDTH], the
+        # last micro-batch's gradients with the loss in front; no other communication.
+        assert later["send"] == (sends, sent)
+        assert later["recv"] == (receives, received)
+        assert later["all_reduce"] == (0, 0)  # every rank got the loss without a collective
         assert all(t == later for t in traffic[1:])
         # The first step adds one shape header per boundary this rank sends activations over, or
         # receives them from; later steps reuse the cached shapes.
         assert first["send"][0] - sends + first["recv"][0] - receives == act_boundaries > 0
-        assert first["send"][1] - sends * BOUNDARY_BYTES == (first["send"][0] - sends) * HEADER_BYTES
-        assert first["recv"][1] - receives * BOUNDARY_BYTES == (first["recv"][0] - receives) * HEADER_BYTES
+        assert first["send"][1] - sent == (first["send"][0] - sends) * HEADER_BYTES
+        assert first["recv"][1] - received == (first["recv"][0] - receives) * HEADER_BYTES
         assert sum(c for c, _ in first.values()) > sum(c for c, _ in later.values())
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble"])
 def test_middle_stage_traffic(pools, schedule):
     """A middle stage of pp4 sends m activations forward and m gradients back per step, and
-    receives as many: 2 * m * (MICRO x WIDTH x 4 bytes) each way."""
+    receives as many: 2 * m * (MICRO x WIDTH x 4 bytes) each way, plus the step's loss (8 bytes)
+    on the last gradient in and out."""
     m = 4
     results = pools.run(4, body_pipeline, schedule, 4, m, 1, 1)
     for rank in (1, 2):
         later = results[rank][2][1]
-        assert later["send"][1] == later["recv"][1] == 2 * m * BOUNDARY_BYTES
+        assert later["send"][1] == later["recv"][1] == 2 * m * BOUNDARY_BYTES + LOSS_BYTES
         first = results[rank][2][0]  # plus one header out (to the next stage) and one in (from the previous)
-        assert first["send"][1] == first["recv"][1] == 2 * m * BOUNDARY_BYTES + HEADER_BYTES
+        assert first["send"][1] == first["recv"][1] == 2 * m * BOUNDARY_BYTES + LOSS_BYTES + HEADER_BYTES
 
 
 @pytest.mark.parametrize(("schedule", "v"), [("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)])
@@ -162,3 +178,134 @@ def test_actions_on_a_chunk_not_held_raise():
     actions = build_schedule("1f1b", 2, 2)[1]  # rank 1's list names chunk 1
     with pytest.raises(ValueError, match=r"chunks \[1\]"):
         PipelineRuntime(chunks, actions, 2, nn.functional.cross_entropy, single_rank_group("pipeline"))
+
+
+def test_a_schedule_whose_last_gradient_leaves_before_the_last_forward_raises():
+    """The step's loss rides on micro-batch m-1's gradient, so the last chunk must have run every
+    forward by then; a schedule that runs F(c1, m0) after BW(c1, m1) is refused up front."""
+    orders = [
+        [
+            Action(Kind.FORWARD, 0, 1),
+            Action(Kind.FORWARD, 0, 0),
+            Action(Kind.BACKWARD, 0, 1),
+            Action(Kind.BACKWARD, 0, 0),
+        ],
+        [
+            Action(Kind.FORWARD, 1, 1),
+            Action(Kind.BACKWARD, 1, 1),
+            Action(Kind.FORWARD, 1, 0),
+            Action(Kind.BACKWARD, 1, 0),
+        ],
+    ]
+    schedule = add_p2p(orders, 2)
+    validate(schedule, 2, 2)  # a valid schedule; only the loss cannot travel with it
+    chunks = build_chunks(list(make_model()), uniform(BLOCKS, 2), [1])
+    with pytest.raises(ValueError, match="carries the step's loss"):
+        PipelineRuntime(chunks, schedule[1], 2, nn.functional.cross_entropy, single_rank_group("pipeline"))
+
+
+# ---- the zero-bubble split of a chunk's backward (backward.py), one process ------------------
+
+
+class _Tied(nn.Module):
+    """One Linear used twice on the input path and once more off it: a parameter with several
+    intermediates, one above the other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.norm = nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return (self.norm(h) + self.lin(torch.tanh(h))) * self.lin.weight.sum()
+
+
+class _Residual(nn.Module):
+    """A bare parameter added to the input, a residual branch, and a parameter the output does not use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(WIDTH))
+        self.up, self.down, self.unused = nn.Linear(WIDTH, 2 * WIDTH), nn.Linear(2 * WIDTH, WIDTH), nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x + self.pos)))
+
+
+SPLIT_MODULES = {
+    "mlp": lambda: nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(3)]),
+    "layernorm": lambda: nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH)),
+    "tied": _Tied,
+    "residual": _Residual,
+    "transformer": lambda: nn.TransformerEncoderLayer(WIDTH, 2, 2 * WIDTH, dropout=0.0, batch_first=True),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLIT_MODULES))
+@pytest.mark.parametrize("scalar", [False, True], ids=["output", "loss"])
+def test_split_backward_matches_the_whole_backward(name, scalar):
+    """B then W give the input gradient and every parameter gradient of one whole backward, over
+    two accumulated micro-batches; B alone touches no parameter gradient."""
+    torch.manual_seed(0)
+    module = SPLIT_MODULES[name]().double()
+    params = list(module.parameters())
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(2, 5, WIDTH, generator=g, dtype=torch.float64) for _ in range(2)]
+    grads = [torch.randn(2, 5, WIDTH, generator=g, dtype=torch.float64) for _ in range(2)]
+
+    def forward(x):
+        x = x.clone().requires_grad_(True)
+        out = module(x)
+        return x, (out.pow(2).mean() if scalar else out)
+
+    ref_x = []
+    for x, grad in zip(xs, grads, strict=True):
+        x, out = forward(x)
+        out.backward(None if scalar else grad)
+        ref_x.append(x.grad)
+    ref = [None if q.grad is None else q.grad.clone() for q in params]
+    module.zero_grad(set_to_none=True)
+
+    works = []
+    for x, grad, expected in zip(xs, grads, ref_x, strict=True):
+        x, out = forward(x)
+        x_grad, work = backward_input(out, None if scalar else grad, x, params)
+        torch.testing.assert_close(x_grad, expected, rtol=1e-12, atol=1e-12)
+        works.append(work)
+    assert all(q.grad is None for q in params)  # B made no weight gradient
+    for work in works:
+        backward_weight(work)
+    for q, expected in zip(params, ref, strict=True):
+        if expected is None:
+            assert q.grad is None
+        else:
+            torch.testing.assert_close(q.grad, expected, rtol=1e-12, atol=1e-12)
+
+
+class _CountBackward(torch.autograd.Function):
+    """Identity whose backward counts its calls."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _CountBackward.calls += 1
+        return grad
+
+
+def test_weight_pass_does_not_redo_the_input_path():
+    """W starts where the parameters' branches leave the input path: the part of the backward on
+    that path (here the identity between two Linears) runs once, in B."""
+    first, second = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+    x = torch.randn(MICRO, WIDTH, requires_grad=True)
+    out = second(_CountBackward.apply(first(x)))
+    _CountBackward.calls = 0
+    _, work = backward_input(out, torch.ones_like(out), x, [*first.parameters(), *second.parameters()])
+    assert _CountBackward.calls == 1
+    backward_weight(work)
+    assert _CountBackward.calls == 1
+    assert first.weight.grad is not None and second.weight.grad is not None

@@ -31,6 +31,7 @@ from torch import nn
 
 from tessera import comm
 from tessera.comm.group import AxisGroup
+from tessera.parallel.pipeline.backward import WeightWork, backward_input, backward_weight
 from tessera.parallel.pipeline.partition import chunk_ranges
 from tessera.parallel.pipeline.schedules import Action, Kind
 
@@ -38,6 +39,7 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Key = tuple[int, int]  # (chunk, micro-batch)
 
 _HEADER_SIZE = 8  # ndim, dtype code, up to 6 dims
+_LOSS_BYTES = 8  # the step's loss, float64, in front of the last micro-batch's gradient
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool)
 
 
@@ -137,6 +139,9 @@ class PipelineRuntime:
         self.loss_fn, self.group = loss_fn, group
         self._device = next((p.device for c in chunks.values() for p in c.parameters()), torch.device("cpu"))
         self.num_microbatches = 1 + max((a.microbatch for a in actions), default=-1)
+        self._params = {c: [p for p in m.parameters() if p.requires_grad] for c, m in chunks.items()}
+        self._holds_loss = num_chunks - 1 in chunks
+        self._check_loss_carrier()
         self._dispatch: dict[Kind, Callable[[Action], None]] = {
             Kind.FORWARD: self._forward,
             Kind.BACKWARD: self._backward,
@@ -149,6 +154,22 @@ class PipelineRuntime:
         self.last_measure: StepMeasure | None = None  # set by run(..., measure=True)
         self._measure: StepMeasure | None = None
         self._reset_step([], [])
+
+    def _check_loss_carrier(self) -> None:
+        """The step's loss rides on the gradient of the last micro-batch (see :meth:`_pack_loss`),
+        so the last chunk must have run every forward before it sends that gradient."""
+        last, final = self.num_chunks - 1, self.num_microbatches - 1
+        if not self._holds_loss or last - 1 in self.chunks or last == 0:
+            return
+        carrier = next(
+            (k for k, a in enumerate(self.actions) if a == Action(Kind.SEND_GRAD, last, final, a.peer)), None
+        )
+        forwards = [k for k, a in enumerate(self.actions) if a.kind is Kind.FORWARD and a.chunk == last]
+        if carrier is None or max(forwards, default=-1) > carrier:
+            raise ValueError(
+                f"the last chunk ({last}) must run all its forwards before it sends the gradient of "
+                f"micro-batch {final}, which carries the step's loss to the other stages"
+            )
 
     # ---- one step --------------------------------------------------------------------------
 
@@ -168,6 +189,7 @@ class PipelineRuntime:
             if action.kind.is_compute:
                 self._post(transfers)
                 transfers = []
+                self._await_inputs(action)
                 if stats is None:
                     self._dispatch[action.kind](action)
                 else:
@@ -177,24 +199,34 @@ class PipelineRuntime:
             else:
                 transfers.append(action)
         self._post(transfers)
+        while self._sends:
+            self._sends.pop().wait()
         if stats is not None:
             stats.step_s = time.perf_counter() - start
             self.last_measure, self._measure = stats, None
         leftover = [name for name, held in self._held().items() if held]
-        total = torch.tensor([self._loss_sum], dtype=torch.float64)
+        total = self._loss
         self._reset_step([], [])
         if leftover:
             raise RuntimeError(f"pipeline step ended with state still held: {', '.join(leftover)}")
-        return float(comm.all_reduce(total, self.group)[0])
+        if total is None:
+            raise RuntimeError("pipeline step ended without the step's loss reaching this rank")
+        return float(total)
 
     def _reset_step(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
         self._inputs, self._targets = inputs, targets
         self._saved: dict[Key, tuple[torch.Tensor, torch.Tensor]] = {}  # (input, output or loss) of a forward
-        self._for_weight: dict[Key, tuple[torch.Tensor, torch.Tensor | None]] = {}  # (output, its grad) after B
-        self._act_in: dict[Key, torch.Tensor] = {}  # input activation of (chunk, mb), received or local
-        self._grad_in: dict[Key, torch.Tensor] = {}  # gradient of (chunk, mb)'s output
+        # After B: what W needs (chunk 0, which makes no input gradient, keeps output and its grad)
+        self._for_weight: dict[Key, WeightWork | tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # Received tensors stay Pending until the compute that needs them (_await_inputs).
+        self._act_in: dict[Key, torch.Tensor | comm.Pending] = {}  # input activation of (chunk, mb)
+        self._grad_in: dict[Key, torch.Tensor | comm.Pending] = {}  # gradient of (chunk, mb)'s output
+        self._sends: list[comm.Pending] = []  # sends in flight, waited at the end of the step
         self._grad_out: dict[Key, torch.Tensor] = {}  # gradient of (chunk, mb)'s input, to send
-        self._loss_sum = 0.0
+        # The step's loss (float64): summed here on the last chunk's rank, else received (_unpack_loss).
+        self._loss: torch.Tensor | None = (
+            torch.zeros((), dtype=torch.float64, device=self._device) if self._holds_loss else None
+        )
 
     def _held(self) -> dict[str, int]:
         return {
@@ -203,13 +235,31 @@ class PipelineRuntime:
             "input activations": len(self._act_in),
             "output gradients": len(self._grad_in),
             "input gradients": len(self._grad_out),
+            "sends in flight": len(self._sends),
         }
+
+    def _await_inputs(self, action: Action) -> None:
+        """Wait for the receive a compute action reads, if it is still in flight: a forward's
+        input activation, a backward's output gradient."""
+        key = action.chunk, action.microbatch
+        if action.kind is Kind.FORWARD:
+            act = self._act_in.get(key)
+            if isinstance(act, comm.Pending):
+                self._act_in[key] = act.wait().requires_grad_(True)
+        elif action.kind is not Kind.BACKWARD_WEIGHT:
+            grad = self._grad_in.get(key)
+            if isinstance(grad, comm.Pending):
+                received = grad.wait()
+                if self._carries_loss(action):
+                    received = self._unpack_loss(received, self._saved[key][1])
+                self._grad_in[key] = received
 
     # ---- compute ---------------------------------------------------------------------------
 
     def _forward(self, action: Action) -> None:
         c, i = action.chunk, action.microbatch
         x = self._inputs[i] if c == 0 else self._act_in.pop((c, i))
+        assert isinstance(x, torch.Tensor)  # awaited by _await_inputs
         if self._measure is None:
             out = self._chunk_forward(c, i, x)
         else:
@@ -224,13 +274,16 @@ class PipelineRuntime:
         out = self.chunks[c](x)
         if c == self.num_chunks - 1:
             out = self.loss_fn(out, self._targets[i]) / self.num_microbatches
-            self._loss_sum += float(out.detach())
+            assert self._loss is not None
+            self._loss += out.detach()
         return out
 
     def _backward(self, action: Action) -> None:
         key = action.chunk, action.microbatch
         x, out = self._saved.pop(key)
-        torch.autograd.backward(out, self._grad_in.pop(key, None))
+        grad = self._grad_in.pop(key, None)
+        assert not isinstance(grad, comm.Pending)  # awaited by _await_inputs
+        torch.autograd.backward(out, grad)
         if self._measure is not None:
             self._measure.release(key)
         if action.chunk > 0:
@@ -240,17 +293,20 @@ class PipelineRuntime:
         key = action.chunk, action.microbatch
         x, out = self._saved.pop(key)
         grad = self._grad_in.pop(key, None)
+        assert not isinstance(grad, comm.Pending)  # awaited by _await_inputs
         if action.chunk > 0:
-            (x_grad,) = torch.autograd.grad(out, x, grad, retain_graph=True)
+            x_grad, work = backward_input(out, grad, x, self._params[action.chunk])
             self._deliver_input_grad(action, x_grad)
-        self._for_weight[key] = (out, grad)
+            self._for_weight[key] = work
+        else:  # no input gradient to make: W runs the whole backward
+            self._for_weight[key] = (out, grad)
 
     def _backward_weight(self, action: Action) -> None:
-        out, grad = self._for_weight.pop((action.chunk, action.microbatch))
-        params = [p for p in self.chunks[action.chunk].parameters() if p.requires_grad]
-        # Correctness over speed: this walks the retained graph from the output again, so the
-        # part of the backward shared by input and weight gradients is computed twice.
-        torch.autograd.backward(out, grad, inputs=params)
+        work = self._for_weight.pop((action.chunk, action.microbatch))
+        if isinstance(work, WeightWork):
+            backward_weight(work)
+        else:
+            torch.autograd.backward(*work)
         if self._measure is not None:
             self._measure.release((action.chunk, action.microbatch))
 
@@ -266,24 +322,24 @@ class PipelineRuntime:
     # ---- transfers -------------------------------------------------------------------------
 
     def _post(self, transfers: list[Action]) -> None:
-        """Post one run of adjacent transfers as one batch (headers, if any, in a batch just before)."""
+        """Post one run of adjacent transfers as one batch, in list order, without waiting: a
+        receive is waited for by the compute that reads it, a send at the end of the step (headers,
+        if any, go first in a batch of their own)."""
         if not transfers:
             return
         self._exchange_headers(transfers)
-        ops, received = [], []
-        for action in transfers:
-            tensor = self._transfer_tensor(action)
-            kind = "send" if action.kind.is_send else "recv"
-            ops.append(comm.P2POp(kind, tensor, self.group, self._peer(action)))
-            if not action.kind.is_send:
-                received.append((action, tensor))
-        comm.batch_p2p(ops)
-        for action, tensor in received:
+        ops = [
+            comm.P2POp("send" if a.kind.is_send else "recv", self._transfer_tensor(a), self.group, self._peer(a))
+            for a in transfers
+        ]
+        for action, pending in zip(transfers, comm.batch_p2p(ops, async_op=True), strict=True):
             key = action.chunk, action.microbatch
-            if action.kind is Kind.RECV_ACT:
-                self._act_in[key] = tensor.requires_grad_(True)
+            if action.kind.is_send:
+                self._sends.append(pending)
+            elif action.kind is Kind.RECV_ACT:
+                self._act_in[key] = pending
             else:
-                self._grad_in[key] = tensor
+                self._grad_in[key] = pending
 
     def _exchange_headers(self, transfers: list[Action]) -> None:
         ops: list[comm.P2POp] = []
@@ -307,12 +363,39 @@ class PipelineRuntime:
         if action.kind is Kind.SEND_ACT:
             return self._saved[key][1].detach().contiguous()
         if action.kind is Kind.SEND_GRAD:
-            return self._grad_out.pop(key).contiguous()
+            grad = self._grad_out.pop(key).contiguous()
+            return self._pack_loss(grad) if self._carries_loss(action) else grad
         if action.kind is Kind.RECV_ACT:
             shape, dtype = self._act_meta[action.chunk - 1]
             return torch.empty(shape, dtype=dtype, device=self._device)
         output = self._saved[key][1]  # RECV_GRAD: the gradient of an output this rank made
+        if self._carries_loss(action):
+            return torch.empty(
+                _LOSS_BYTES + output.numel() * output.element_size(), dtype=torch.uint8, device=self._device
+            )
         return torch.empty_like(output, memory_format=torch.contiguous_format)
+
+    # The step's loss is known on the last chunk's rank only. Rather than all-reducing it (a
+    # collective that every step would wait for), it rides, as 8 bytes of float64 in front of the
+    # gradient, on the gradient of the last micro-batch, which passes every boundary after the
+    # last chunk's final forward (checked by _check_loss_carrier).
+
+    def _carries_loss(self, action: Action) -> bool:
+        return action.microbatch == self.num_microbatches - 1
+
+    def _pack_loss(self, grad: torch.Tensor) -> torch.Tensor:
+        if self._loss is None:
+            raise RuntimeError("the step's loss has not reached this rank before the last micro-batch's gradient")
+        message = torch.empty(_LOSS_BYTES + grad.numel() * grad.element_size(), dtype=torch.uint8, device=grad.device)
+        message[:_LOSS_BYTES].view(torch.float64).copy_(self._loss.reshape(1))
+        message[_LOSS_BYTES:].view(grad.dtype).copy_(grad.reshape(-1))
+        return message
+
+    def _unpack_loss(self, message: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        """The gradient in ``message`` (shaped like ``output``); keeps the loss it carries."""
+        if not self._holds_loss:
+            self._loss = message[:_LOSS_BYTES].view(torch.float64)[0]
+        return message[_LOSS_BYTES:].view(output.dtype).view(output.shape)
 
     def _peer(self, action: Action) -> int:
         if action.peer is None:
