@@ -24,18 +24,21 @@ Step time: the sides of one row group are built in one rank pool and run in alte
 of steps (ABAB, then BABA; ``tessera.bench.timing``), each block timed between barriers with the
 slowest rank's time; the value is the median over blocks of the time per step.
 
-Peak memory: ``peak_rss_growth_bytes`` is, on each rank, the peak resident set size while the
-side builds its model, wraps it, and trains a few steps, minus the resident size just before
-(``reset_peak_rss`` then ``peak_rss_bytes``); the row gives the largest over the ranks. Each side
-is measured in a fresh rank pool of its own, because a process that has already run another
-side keeps that side's freed memory in its allocator and would hand it to the next side
+Peak memory, per rank above a baseline, the largest over the ranks (``reset_peak_rss`` then
+``peak_rss_bytes``, i.e. VmHWM): ``peak_rss_setup_bytes`` while the side sets up (the user code
+builds the full model, the side shards or wraps it and makes its optimizer), and
+``peak_rss_train_bytes`` while it then trains a few steps: what stays after set-up (sharded
+parameters, gradient buffers, optimizer states once they exist) plus what training adds
+(activations, gathered parameters, communication buffers). Before the baseline and again before
+training, garbage is collected and glibc's ``malloc_trim`` returns freed heap to the system, so
+that the full model a sharding side lets go of after set-up does not count against training.
+Each side is measured in a fresh rank pool of its own, because a process that has already run
+another side keeps that side's freed memory in its allocator and would hand it to the next side
 without raising the RSS: measured in turn in one process, whichever side comes later looks
 smaller. Before the baseline, the fresh process runs the same side once on a miniature GPT (one
-block of width 16), so that imports, lazy one-time set-up (DeepSpeed's comm backend and JIT-built
-ops, autograd's and gloo's threads) are paid outside the measurement while the miniature leaves
-next to nothing behind to reuse. What is compared is then the memory of training: the full model
-every side builds first, the sharded parameters, gradients, optimizer states, communication
-buffers and activations.
+block of width 16), so that imports and lazy one-time set-up (DeepSpeed's comm backend and
+JIT-built ops, autograd's and gloo's threads) are paid outside the measurement while the
+miniature leaves next to nothing behind.
 
 After the timed blocks every side has taken the same steps on the same data; each evaluates its
 loss on one micro-batch, and the run reports those losses, so a side that trained something
@@ -45,6 +48,7 @@ else is seen at once (fp32: they agree to about 1e-5).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import gc
 import importlib.util
@@ -314,8 +318,19 @@ def _timing_body(sides: list[Side], w: Workload, blocks: int, steps: int) -> dic
     return {"times": times, "losses": losses, "names": names}
 
 
-def _memory_body(side: Side, w: Workload, steps: int) -> int | None:
-    """Peak RSS growth of this rank while ``side`` builds and trains ``steps`` steps (a fresh pool)."""
+def _trim_heap() -> None:
+    """Collect garbage and hand freed heap memory back to the system (glibc's ``malloc_trim``),
+    so that the resident size counts what is alive, not what the allocator keeps in reserve."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the reading keeps the allocator's reserve
+        pass
+
+
+def _memory_body(side: Side, w: Workload, steps: int) -> dict[str, int] | None:
+    """This rank's peak RSS above its baseline while ``side`` is set up (model built, wrapped)
+    and while it trains ``steps`` steps; run in a fresh pool (see the module docstring)."""
     from tessera.memory.report import peak_rss_bytes, reset_peak_rss
     from tessera.testing import use_layout
 
@@ -326,18 +341,25 @@ def _memory_body(side: Side, w: Workload, steps: int) -> int | None:
     for x, y in batches:  # the same code paths once: lazy imports and one-time set-up happen here
         step(x, y)
     del step
-    gc.collect()
+    _trim_heap()
     if not reset_peak_rss():
         return None
     base = peak_rss_bytes()  # right after the reset, the peak is the current RSS
     step, _, _ = _build(side, w)
+    setup = peak_rss_bytes()
+    _trim_heap()  # what setting up freed (the full model a sharding side let go) does not count
+    reset_peak_rss()
     for x, y in batches:
         step(x, y)
-    peak = peak_rss_bytes()
-    return None if base is None or peak is None else peak - base
+    train = peak_rss_bytes()
+    if base is None or setup is None or train is None:
+        return None
+    return {"setup": setup - base, "train": train - base}
 
 
 # ---- in the launching process -----------------------------------------------------------------
+
+MEMORY_METRICS = {"setup": "peak_rss_setup_bytes", "train": "peak_rss_train_bytes"}
 
 
 @dataclass
@@ -346,7 +368,7 @@ class Result:
     loss after training, and the anchor names as reported."""
 
     times: dict[str, list[float]]
-    memory: dict[str, int | None]
+    memory: dict[str, dict[str, int]]
     losses: dict[str, float]
     names: dict[str, str]
 
@@ -373,7 +395,8 @@ def measure(
                 grown = pool.run(_memory_body, side, w, memory_steps, timeout=900)
             finally:
                 pool.close()
-            result.memory[side.label] = None if None in grown else max(g for g in grown if g is not None)
+            if all(g is not None for g in grown):  # the largest over the ranks
+                result.memory[side.label] = {k: max(g[k] for g in grown if g is not None) for k in MEMORY_METRICS}
     return result
 
 
@@ -388,7 +411,8 @@ def rows_of(world_size: int, groups: list[str], w: Workload, result: Result, wit
                             statistics.median(result.times[anchor.label])))  # fmt: skip
             ours_rss, theirs_rss = result.memory.get(ours.label), result.memory.get(anchor.label)
             if ours_rss is not None and theirs_rss is not None:
-                rows.append(Row(name, "peak_rss_growth_bytes", float(ours_rss), anchor_name, float(theirs_rss)))
+                for key, metric in MEMORY_METRICS.items():
+                    rows.append(Row(name, metric, float(ours_rss[key]), anchor_name, float(theirs_rss[key])))
     return rows
 
 
