@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -179,10 +179,13 @@ class ChunkStore:
         dtype: torch.dtype | None = None,
         keep_full: bool = False,
         bins: Sequence[int] | None = None,
+        on_close: Callable[[Chunk], None] | None = None,
     ) -> None:
         """``named``: the tensors to pack; ``dtype``: the chunks' dtype (default: each tensor's);
-        ``bins``: a label per tensor (a parameter group, say); tensors of different labels
-        never share a chunk."""
+        ``bins``: a label per tensor (a parameter group, a block of the model); tensors of
+        different labels never share a chunk; ``on_close(chunk)``: called as soon as each
+        chunk is filled (to re-point its tensors and release it before the next is built, so
+        that packing a model never holds all of it twice)."""
         if chunk_numel < 1:
             raise ValueError(f"chunk_numel={chunk_numel} must be at least 1")
         self.group = group
@@ -208,6 +211,8 @@ class ChunkStore:
                 self._where[slot.name] = (chunk, slot)
             self.chunks.append(chunk)
             pending.clear()
+            if on_close is not None:
+                on_close(chunk)
 
         filled = 0
         for index, (name, tensor) in enumerate(named):

@@ -76,28 +76,39 @@ class ZeroOptimizer:
         self.master_device = torch.device("cpu") if offload == "cpu" else ctx.device
         names = {id(p): n for n, p in model.named_parameters()}
         entries: list[tuple[str, nn.Parameter]] = []
-        bins: list[int] = []
+        group_of: list[int] = []
         for index, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
                 if id(p) not in names:
                     raise ValueError("the optimizer holds a parameter that is not the model's")
                 entries.append((names[id(p)], p))
-                bins.append(index)
+                group_of.append(index)
         self.params = [p for _, p in entries]
+        # A chunk never spans two parameter groups, nor two blocks of the model (so stage 3
+        # gathers one block at a time, and stage 2 reduces a block as soon as its backward ends).
+        labels: dict[tuple[int, str], int] = {}
+        bins = [labels.setdefault((g, _unit_of(model, n)), len(labels)) for g, (n, _) in zip(group_of, entries)]
+        self._slot_of: dict[int, tuple[Chunk, Slot]] = {}
+
+        def adopt(chunk: Chunk) -> None:
+            for slot in chunk.slots:
+                p = entries[slot.index][1]
+                p.data = chunk.view(slot)  # the parameter now lives in its chunk; its old storage goes
+                self._slot_of[id(p)] = (chunk, slot)
+            if stage == 3:
+                chunk.release()
+
         element = torch.empty((), dtype=self.param_dtype).element_size()
         self.store = ChunkStore(
-            [(n, p.detach()) for n, p in entries],
+            entries,
             self.group,
             chunk_numel=max(1, int(bucket_mb * 2**20) // element),
             dtype=self.param_dtype,
             keep_full=stage < 3,
             bins=bins,
+            on_close=adopt,
         )
-        self._slot_of: dict[int, tuple[Chunk, Slot]] = {}
-        for name, p in entries:
-            p.data = self.store.view(name)  # the parameter now lives in its chunk
-            self._slot_of[id(p)] = self.store.locate(name)
-        self._chunk_bin = {c.index: bins[c.slots[0].index] for c in self.store.chunks}
+        self._chunk_bin = {c.index: group_of[c.slots[0].index] for c in self.store.chunks}
         self._pieces: list[list[tuple[nn.Parameter, int, int]]] = []  # per chunk: (piece, start, end)
         self._install_pieces(entries, [self._make_master(c) for c in self.store.chunks])
         if offload == "cpu" and type(optimizer) is torch.optim.AdamW:
@@ -326,8 +337,11 @@ class ZeroOptimizer:
         return total.sqrt()
 
     def _reduce_full_gradients(self) -> None:
-        pending = []
+        pending: list[tuple[Chunk, Pending, torch.Tensor]] = []
         for chunk in self.store.chunks:
+            if len(pending) == 2:  # two buckets in flight at most: overlap without a second full copy
+                done, work, _ = pending.pop(0)
+                self.grad_shards[done.index] = work.wait()
             bucket = torch.zeros(chunk.padded_numel, dtype=self.param_dtype, device=chunk.full.device)
             any_grad = False
             for slot in chunk.slots:
@@ -370,3 +384,15 @@ class ZeroOptimizer:
                 chunk.scatter_from_full()
                 if self._separate and pieces:
                     torch._foreach_copy_([p for p, _, _ in pieces], [chunk.shard[a:b] for _, a, b in pieces])
+
+
+def _unit_of(model: nn.Module, name: str) -> str:
+    """The block a parameter belongs to: the first element of a ``ModuleList``/``Sequential`` on
+    its path (``blocks.3`` for ``blocks.3.attn.qkv.weight``), else the model's child holding it."""
+    parts = name.split(".")
+    module: nn.Module = model
+    for depth, part in enumerate(parts[:-1]):
+        if isinstance(module, nn.ModuleList | nn.Sequential):
+            return ".".join(parts[: depth + 1])
+        module = getattr(module, part)
+    return parts[0] if len(parts) > 1 else ""
