@@ -10,7 +10,8 @@ Each member keeps its shard; the full payload exists only while the chunk is gat
 Releasing frees the full buffer's storage (``resize_(0)``) without dropping the tensor, so the
 parameter views, and any views autograd saved of them, see the data again after the next gather.
 A chunk created with ``keep_full=True`` (ZeRO stages 1 and 2) is always gathered and its shard
-is a view into the full buffer (no second copy). ZeRO-3 and the Gemini memory manager share
+is a view into the full buffer (no second copy); any other chunk starts SHARDED, holding only
+its shard. ZeRO-3 and the Gemini memory manager share
 this store; every state change goes through :meth:`Chunk.to_state`, which refuses illegal moves.
 """
 
@@ -75,7 +76,10 @@ class Chunk:
         self.numel = sum(s.numel for s in slots)
         self.shard_numel = max(1, math.ceil(self.numel / group.size))
         self.padded_numel = self.shard_numel * group.size
-        self.full = torch.zeros(self.padded_numel, dtype=dtype, device=device)
+        # A sharded chunk's full buffer starts unwritten (torch.empty touches no pages) and is
+        # released right after packing: packing never holds a whole chunk's payload.
+        make = torch.zeros if keep_full else torch.empty
+        self.full = make(self.padded_numel, dtype=dtype, device=device)
         start = group.rank * self.shard_numel
         if keep_full:
             self.shard = self.full[start : start + self.shard_numel]
@@ -204,15 +208,21 @@ class ChunkStore:
             first = pending[0][2]
             chunk = Chunk(slots, dtype or first.dtype, first.device, group, keep_full, index=len(self.chunks))
             with torch.no_grad():
-                for (_, _, tensor), slot in zip(pending, slots):
-                    chunk.view(slot).copy_(tensor)
-            chunk.scatter_from_full()
+                if keep_full:
+                    for (_, _, tensor), slot in zip(pending, slots):
+                        chunk.view(slot).copy_(tensor)
+                else:  # only this member's part goes into its shard
+                    by_index = {index: tensor for index, _, tensor in pending}
+                    for slot, start, end in chunk.shard_pieces():
+                        at = chunk.shard_range[0] + start - slot.offset
+                        chunk.shard[start:end].copy_(by_index[slot.index].reshape(-1)[at : at + end - start])
             for slot in slots:
                 self._where[slot.name] = (chunk, slot)
             self.chunks.append(chunk)
             pending.clear()
             if on_close is not None:
-                on_close(chunk)
+                on_close(chunk)  # the full buffer's storage is still there: views of it can be taken
+            chunk.release()  # a sharded chunk starts SHARDED (its full buffer was never written)
 
         filled = 0
         for index, (name, tensor) in enumerate(named):

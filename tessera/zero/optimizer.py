@@ -260,23 +260,25 @@ class ZeroOptimizer:
         out = torch.empty(chunk.shard_numel, dtype=self.param_dtype, device=bucket.device)
         pending = comm.reduce_scatter_into(out, bucket, self.group, op="avg", async_op=True)
         self._in_flight.append((chunk, pending, bucket))
-        if not self.overlap_comm:
-            self._drain()
+        # Two reductions in flight at most: older buckets are freed as the backward goes on, so
+        # the whole model's gradients never exist at once.
+        self._drain(keep=2 if self.overlap_comm else 0)
         self.after_reduce(chunk)
 
     def after_reduce(self, chunk: Chunk) -> None:
         """Hook for stage 3: the chunk's gradients are complete (its parameters may go)."""
 
-    def _drain(self) -> None:
-        """Wait for every reduce-scatter in flight and add the results into the gradient shards."""
-        for chunk, pending, _ in self._in_flight:
+    def _drain(self, keep: int = 0) -> None:
+        """Wait for the reduce-scatters in flight (all but the newest ``keep``) and add their
+        results into the gradient shards."""
+        while len(self._in_flight) > keep:
+            chunk, pending, _ = self._in_flight.pop(0)
             out = pending.wait()
             current = self.grad_shards[chunk.index]
             if current is None:
                 self.grad_shards[chunk.index] = out
             else:
                 current.add_(out)
-        self._in_flight.clear()
 
     def _finish_backward(self) -> None:
         """End of a backward pass: reduce chunks some of whose parameters got no gradient,
