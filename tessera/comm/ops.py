@@ -321,6 +321,15 @@ def recv(tensor: torch.Tensor, group: Group, src: int) -> torch.Tensor:
     return tensor
 
 
+def p2p_in_any_order(group: Group) -> bool:
+    """Whether transfers on ``group`` complete independently of each other, so that a caller may
+    post receives ahead of sends it posts later (gloo: a transfer completes once its partner is
+    posted). Not with NCCL, which runs the transfers between two ranks one after another in
+    posting order: an early receive holds up every later send to that rank until it is matched."""
+    g = resolve(group)
+    return g.size == 1 or dist.get_backend(g.pg) == "gloo"
+
+
 def batch_p2p(ops: Sequence[P2POp], *, async_op: bool = False) -> list[Pending]:
     """Issue several sends and receives together, in order; wait for all of them unless ``async_op``.
 
@@ -331,8 +340,7 @@ def batch_p2p(ops: Sequence[P2POp], *, async_op: bool = False) -> list[Pending]:
     """
     if not ops:
         return []
-    issued: list[tuple[P2POp, AxisGroup]] = []
-    torch_ops: list[dist.P2POp] = []
+    issued: list[tuple[P2POp, AxisGroup, int]] = []
     for op in ops:
         if op.kind not in ("send", "recv"):
             raise ValueError(f"P2POp kind must be 'send' or 'recv', got {op.kind!r}")
@@ -344,12 +352,17 @@ def batch_p2p(ops: Sequence[P2POp], *, async_op: bool = False) -> list[Pending]:
         if not 0 <= op.peer < g.size or op.peer == g.rank:
             raise ValueError(f"{op.kind} peer {op.peer} is not another member of {g}")
         record(op.kind, g.name, g.size, _nbytes(op.tensor))
-        fn = dist.isend if op.kind == "send" else dist.irecv
-        torch_ops.append(dist.P2POp(fn, op.tensor, g.global_rank_of(op.peer), g.pg))
-        issued.append((op, g))
-    works = dist.batch_isend_irecv(torch_ops)
+        issued.append((op, g, g.global_rank_of(op.peer)))
+    works: Sequence[Any]
+    if all(dist.get_backend(g.pg) == "gloo" for _, g, _ in issued):
+        # gloo does not coalesce: batch_isend_irecv would issue these same calls one by one
+        works = [(dist.isend if op.kind == "send" else dist.irecv)(op.tensor, peer, g.pg) for op, g, peer in issued]
+    else:  # NCCL coalesces the batch into one group call
+        fns = {"send": dist.isend, "recv": dist.irecv}
+        works = dist.batch_isend_irecv([dist.P2POp(fns[op.kind], op.tensor, peer, g.pg) for op, g, peer in issued])
     pending = [
-        Pending(work, f"{op.kind} (peer {op.peer})", g, op.tensor) for work, (op, g) in zip(works, issued, strict=True)
+        Pending(work, f"{op.kind} (peer {op.peer})", g, op.tensor)
+        for work, (op, g, _) in zip(works, issued, strict=True)
     ]
     if not async_op:
         for p in pending:

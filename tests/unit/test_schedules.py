@@ -35,7 +35,7 @@ from tessera.parallel.pipeline import (
     validate,
     zero_bubble_h1,
 )
-from tessera.parallel.pipeline.schedules import makes, needs, parse_costs, reference_times
+from tessera.parallel.pipeline.schedules import makes, needs, parse_costs, post_early, reference_times
 
 F, BW, B, W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
 SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = Kind.SEND_ACT, Kind.RECV_ACT, Kind.SEND_GRAD, Kind.RECV_GRAD
@@ -390,6 +390,103 @@ def test_placement_is_deadlock_free_for_any_order_and_costs(seed: int) -> None:
     for _ in range(3):
         costs = {key: rng.choice([Fraction(1, 2), 1, 2, 5]) for key in ("F", "B", "W")}
         simulate(schedule, {**costs, "P2P": rng.choice([0, Fraction(1, 3), 1])}, blocking_p2p=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Transfers posted early, for a runtime whose transfers do not block (post_early, lazy_receive).
+
+
+def transfer_queues(actions: list[Action]) -> dict[tuple[bool, int | None], list[Action]]:
+    """A rank's sends to each peer and receives from each peer, in list order."""
+    queues: dict[tuple[bool, int | None], list[Action]] = {}
+    for a in actions:
+        if not a.kind.is_compute:
+            queues.setdefault((a.kind.is_send, a.peer), []).append(a)
+    return queues
+
+
+def gaps(actions: list[Action]) -> dict[Action, int]:
+    """Each transfer -> the number of computes before it."""
+    out, computes = {}, 0
+    for a in actions:
+        if a.kind.is_compute:
+            computes += 1
+        else:
+            out[a] = computes
+    return out
+
+
+@pytest.mark.parametrize(("name", "p", "m", "v"), CASES, ids=IDS)
+def test_post_early_keeps_computes_and_pairing_and_moves_nothing_later(name: str, p: int, m: int, v: int) -> None:
+    schedule = build_schedule(name, p, m, v)
+    early = [post_early(actions) for actions in schedule]
+    validate(early, p, m, v)
+    for before, after in zip(schedule, early, strict=True):
+        assert [a for a in after if a.kind.is_compute] == [a for a in before if a.kind.is_compute]
+        assert transfer_queues(after) == transfer_queues(before)  # same order per peer and direction
+        old, new = gaps(before), gaps(after)
+        assert all(new[a] <= old[a] for a in old)
+        computes = [a for a in after if a.kind.is_compute]
+        for a, g in new.items():
+            if a.kind is SEND_ACT:  # right after the forward that makes it
+                assert computes[g - 1] == Action(F, a.chunk, a.microbatch)
+            elif a.kind is SEND_GRAD:
+                assert computes[g - 1] in (Action(BW, a.chunk, a.microbatch), Action(B, a.chunk, a.microbatch))
+
+
+def test_post_early_posts_receives_as_early_as_pairing_allows() -> None:
+    """1F1B's last rank receives activations only: all of them before its first compute; a
+    gradient receive goes right after the forward whose output shape it takes."""
+    last = post_early(one_f_one_b(4, 8)[3])
+    assert all(g == 0 for a, g in gaps(last).items() if a.kind is RECV_ACT)
+    first = post_early(one_f_one_b(4, 8)[0])
+    computes = [a for a in first if a.kind.is_compute]
+    for a, g in gaps(first).items():
+        if a.kind is RECV_GRAD:
+            assert computes[g - 1] == Action(F, a.chunk, a.microbatch)
+    one_ahead = post_early(one_f_one_b(4, 8)[3], lookahead=1)  # one compute ahead of its forward
+    computes = [a for a in one_ahead if a.kind.is_compute]
+    for a, g in gaps(one_ahead).items():
+        if a.kind is RECV_ACT:
+            assert g == max(0, computes.index(Action(F, a.chunk, a.microbatch)) - 1)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_post_early_runs_every_compute_as_soon_as_its_inputs_exist(seed: int) -> None:
+    """With receives waited at the compute that reads them and sends that never wait, the early
+    schedule runs every compute at its reference time under any costs: nothing waits for a transfer
+    more than for the compute that makes its data. The same schedule never hangs."""
+    rng = random.Random(seed)
+    p, v, m = rng.choice([1, 2, 3, 4]), rng.choice([1, 2, 3]), rng.choice([1, 2, 3, 5])
+    orders = random_compute_orders(rng, p, m, v)
+    schedule = add_p2p(orders, p, {key: rng.choice([1, 2, 3]) for key in ("F", "B", "W")})
+    for lookahead in (None, 0, 1, 2):
+        early = [post_early(actions, lookahead) for actions in schedule]
+        validate(early, p, m, v)
+        costs = {key: rng.choice([Fraction(1, 2), 1, 2, 5]) for key in ("F", "B", "W")}
+        result = simulate(early, costs, lazy_receive=True)
+        assert [[iv.start for iv in row] for row in result.intervals] == reference_times(orders, parse_costs(costs))
+
+
+def test_lazy_receives_recover_what_batch_waits_lose() -> None:
+    """ZB-H1 placed for unit costs but run with B = 2, W = 0: waiting for each batch's receives
+    idles ranks (33 units), waiting at the compute that reads them does not (27, its critical path)."""
+    schedule, costs = zero_bubble_h1(2, 8), {"F": 1, "B": 2, "W": 0}
+    assert simulate(schedule, costs).makespan == 33
+    assert simulate(schedule, costs, lazy_receive=True).makespan == 27
+    with pytest.raises(ValueError, match="lazy_receive"):
+        simulate(schedule, costs, blocking_p2p=True, lazy_receive=True)
+
+
+def test_early_receives_need_lazy_waits() -> None:
+    """A runtime that waits for each batch must not post receives early: GPipe's first rank would
+    wait for its first gradient before sending its last activation."""
+    early = [post_early(actions) for actions in gpipe(2, 4)]
+    with pytest.raises(DeadlockError, match=r"rank 0 at action \d+ waits for the partners of RECV_GRAD\(c0,m0\)"):
+        simulate(early)
+    simulate(early, lazy_receive=True)
+    with pytest.raises(ScheduleError, match="lookahead"):
+        post_early(gpipe(2, 4)[0], -1)
 
 
 # ---------------------------------------------------------------------------------------------

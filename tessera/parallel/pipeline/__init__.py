@@ -19,6 +19,7 @@ from tessera.parallel.pipeline.schedules import (
     interleaved_1f1b,
     one_f_one_b,
     partner,
+    post_early,
     stage_rank,
     zero_bubble_h1,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "interleaved_1f1b",
     "one_f_one_b",
     "partner",
+    "post_early",
     "simulate",
     "stage_rank",
     "validate",

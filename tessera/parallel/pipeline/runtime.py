@@ -31,15 +31,17 @@ from torch import nn
 
 from tessera import comm
 from tessera.comm.group import AxisGroup
+from tessera.comm.ops import p2p_in_any_order
 from tessera.parallel.pipeline.backward import WeightWork, backward_input, backward_weight
 from tessera.parallel.pipeline.partition import chunk_ranges
-from tessera.parallel.pipeline.schedules import Action, Kind
+from tessera.parallel.pipeline.schedules import Action, Kind, post_early
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Key = tuple[int, int]  # (chunk, micro-batch)
 
 _HEADER_SIZE = 8  # ndim, dtype code, up to 6 dims
 _LOSS_BYTES = 8  # the step's loss, float64, in front of the last micro-batch's gradient
+_MAKES_INPUT_GRAD = (Kind.BACKWARD, Kind.BACKWARD_INPUT)
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool)
 
 
@@ -141,6 +143,13 @@ class PipelineRuntime:
         self.num_microbatches = 1 + max((a.microbatch for a in actions), default=-1)
         self._params = {c: [p for p in m.parameters() if p.requires_grad] for c, m in chunks.items()}
         self._holds_loss = num_chunks - 1 in chunks
+        # Transfers never block this runtime, so from the second step on (once no shape header
+        # has to cross) sends go right after the compute that makes their data and receives as
+        # early as the pairing order allows (post_early), where the backend lets transfers
+        # complete in any order (gloo).
+        self._early = post_early(actions) if p2p_in_any_order(group) else list(actions)
+        self._boundaries_in = {a.chunk - 1 for a in actions if a.kind is Kind.RECV_ACT}
+        self._boundaries_out = {a.chunk for a in actions if a.kind is Kind.SEND_ACT}
         self._check_loss_carrier()
         self._dispatch: dict[Kind, Callable[[Action], None]] = {
             Kind.FORWARD: self._forward,
@@ -157,18 +166,24 @@ class PipelineRuntime:
 
     def _check_loss_carrier(self) -> None:
         """The step's loss rides on the gradient of the last micro-batch (see :meth:`_pack_loss`),
-        so the last chunk must have run every forward before it sends that gradient."""
+        so the last chunk must have run every forward before the backward that makes it."""
         last, final = self.num_chunks - 1, self.num_microbatches - 1
-        if not self._holds_loss or last - 1 in self.chunks or last == 0:
+        if not self._holds_loss or last - 1 in self.chunks:
             return
+        computes = [a for a in self.actions if a.kind.is_compute]
         carrier = next(
-            (k for k, a in enumerate(self.actions) if a == Action(Kind.SEND_GRAD, last, final, a.peer)), None
+            (
+                k
+                for k, a in enumerate(computes)
+                if a.kind in _MAKES_INPUT_GRAD and (a.chunk, a.microbatch) == (last, final)
+            ),
+            None,
         )
-        forwards = [k for k, a in enumerate(self.actions) if a.kind is Kind.FORWARD and a.chunk == last]
+        forwards = [k for k, a in enumerate(computes) if a.kind is Kind.FORWARD and a.chunk == last]
         if carrier is None or max(forwards, default=-1) > carrier:
             raise ValueError(
-                f"the last chunk ({last}) must run all its forwards before it sends the gradient of "
-                f"micro-batch {final}, which carries the step's loss to the other stages"
+                f"the last chunk ({last}) must run all its forwards before the backward of micro-batch "
+                f"{final}, whose gradient carries the step's loss to the other stages"
             )
 
     # ---- one step --------------------------------------------------------------------------
@@ -185,7 +200,7 @@ class PipelineRuntime:
             comm.barrier(self.group)
             start = time.perf_counter()
         transfers: list[Action] = []
-        for action in self.actions:
+        for action in self._early if self._shapes_known() else self.actions:
             if action.kind.is_compute:
                 self._post(transfers)
                 transfers = []
@@ -212,6 +227,9 @@ class PipelineRuntime:
         if total is None:
             raise RuntimeError("pipeline step ended without the step's loss reaching this rank")
         return float(total)
+
+    def _shapes_known(self) -> bool:
+        return self._boundaries_in <= self._act_meta.keys() and self._boundaries_out <= self._announced
 
     def _reset_step(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
         self._inputs, self._targets = inputs, targets

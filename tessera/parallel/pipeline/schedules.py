@@ -429,6 +429,59 @@ def _outgoing(action: Action, rank: int, p: int, last: int) -> tuple[Action, Act
     return None
 
 
+def post_early(actions: Sequence[Action], lookahead: int | None = None) -> list[Action]:
+    """One rank's list reordered for a runtime whose transfers do not block: it waits for a
+    receive only at the compute that reads it, and for its sends at the end of the step.
+
+    Each send moves to just after the compute that makes its data, so the data leaves at once.
+    Each receive moves as early as it can (with ``lookahead``: to at most that many computes
+    before the compute that reads it; a gradient not before the forward it belongs to, whose
+    output gives its shape), so that it is posted before its send: gloo moves a message at the
+    send when the receive is already posted, and needs a round trip more when it is not.
+    Nothing moves later, and the sends to a peer, and the receives from it, keep their order,
+    so transfers still pair (:func:`validate` accepts the result whenever it accepted
+    ``actions``). A runtime of that kind cannot deadlock on the result if it cannot on
+    ``actions``: every send is posted no later, relative to the sender's computes, and no wait
+    comes earlier. Not for a runtime that waits for each batch, nor for NCCL, which runs the
+    transfers between two ranks one after another in posting order (an early receive would hold
+    up the sends behind it).
+    """
+    if lookahead is not None and lookahead < 0:
+        raise ScheduleError(f"post_early: lookahead must be >= 0, got {lookahead}")
+    computes = [a for a in actions if a.kind.is_compute]
+    index = {_key(a): k for k, a in enumerate(computes)}  # F and B/BW of each (chunk, micro-batch)
+    moved: list[tuple[int, int, Action]] = []  # (gap, original position, transfer)
+    queue_gap: dict[tuple[bool, int | None], int] = {}  # (is send, peer) -> gap of its latest transfer
+    gap = 0
+    for position, action in enumerate(actions):
+        if action.kind.is_compute:
+            gap += 1
+            continue
+        c, i, queue = action.chunk, action.microbatch, (action.kind.is_send, action.peer)
+        if action.kind is Kind.SEND_ACT:
+            target = index.get(("F", c, i), gap - 1) + 1
+        elif action.kind is Kind.SEND_GRAD:
+            target = index.get(("B", c, i), gap - 1) + 1
+        else:
+            consumer = index.get(("F", c, i) if action.kind is Kind.RECV_ACT else ("B", c, i), gap)
+            target = 0 if lookahead is None else consumer - lookahead
+            if action.kind is Kind.RECV_GRAD:  # its buffer takes the shape of the forward's output
+                target = max(target, index.get(("F", c, i), -1) + 1)
+        new_gap = min(gap, max(target, queue_gap.get(queue, 0)))
+        queue_gap[queue] = new_gap
+        moved.append((new_gap, position, action))
+    moved.sort(key=lambda entry: entry[:2])
+    out: list[Action] = []
+    k = 0
+    for g in range(len(computes) + 1):
+        while k < len(moved) and moved[k][0] == g:
+            out.append(moved[k][2])
+            k += 1
+        if g < len(computes):
+            out.append(computes[g])
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # The schedules, transfers included.
 

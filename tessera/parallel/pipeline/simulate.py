@@ -178,6 +178,7 @@ class _Rank:
     have: set[Token] = field(default_factory=set)
     intervals: list[Interval] = field(default_factory=list)
     batch: _Batch | None = None
+    receiving: dict[Token, _Op] = field(default_factory=dict)  # lazy receives posted, not yet read
 
     @property
     def done(self) -> bool:
@@ -189,11 +190,17 @@ def simulate(
     costs: Costs = None,
     *,
     blocking_p2p: bool = False,
+    lazy_receive: bool = False,
 ) -> Simulation:
     """Run ``schedule`` (one action list per rank) under ``costs`` (keys ``F``, ``B``, ``W``,
     ``P2P``; default 1, 1, 1, 0; a whole backward BW costs ``B + W``) and return the
     :class:`Simulation`. Raises :class:`DeadlockError` if the ranks hang, :class:`ScheduleError`
-    if an action runs before its data is on its rank or a transfer meets the wrong partner."""
+    if an action runs before its data is on its rank or a transfer meets the wrong partner.
+
+    With ``lazy_receive`` a rank does not wait for a batch's receives: a compute that reads one
+    waits until its send was posted (+ ``P2P``), as the runtime does (sends never wait then)."""
+    if lazy_receive and blocking_p2p:
+        raise ValueError("lazy_receive models a runtime whose sends do not block; drop blocking_p2p")
     cost = parse_costs(costs)
     last = max((a.chunk for actions in schedule for a in actions), default=0)
     ranks = [_Rank(actions) for actions in schedule]
@@ -202,7 +209,7 @@ def simulate(
     while progress:
         progress = False
         for r, rank in enumerate(ranks):
-            while _step(r, rank, last, cost, posted, blocking_p2p):
+            while _step(r, rank, last, cost, posted, blocking_p2p, lazy_receive):
                 progress = True
     stuck = [r for r, rank in enumerate(ranks) if not rank.done]
     if stuck:
@@ -231,12 +238,22 @@ def _step(
     cost: Mapping[str, Fraction],
     posted: dict[tuple[bool, tuple[int, int]], list[tuple[Action, Fraction]]],
     blocking: bool,
+    lazy: bool = False,
 ) -> bool:
     """Move rank ``r`` one action (or one batch) on; False if it is done or must wait."""
     if rank.done:
         return False
     action = rank.actions[rank.at]
     if action.kind.is_compute:
+        for token in needs(action, last):
+            if token in rank.receiving:  # a lazy receive: wait here for its send
+                op = rank.receiving[token]
+                arrived = _match(op, posted)
+                if arrived is None:
+                    return False
+                rank.clock = max(rank.clock, arrived + cost["P2P"])
+                rank.have.add(token)
+                del rank.receiving[token]
         _require(r, rank, action, last)
         duration = compute_cost(action.kind, cost)
         rank.intervals.append(Interval(rank.clock, rank.clock + duration, action))
@@ -269,26 +286,38 @@ def _step(
     finish = batch.posted
     for op in batch.ops:
         is_send = op.action.kind.is_send
-        if is_send and not blocking:
+        if (is_send and not blocking) or (lazy and not is_send):
             continue
-        others = posted.get((not is_send, op.channel), [])
-        if len(others) <= op.seq:
+        other_posted = _match(op, posted)
+        if other_posted is None:
             return moved  # the partner is not posted yet
-        other, other_posted = others[op.seq]
-        send, recv = (op.action, other) if is_send else (other, op.action)
-        if partner(send, op.channel[0]) != recv:
-            raise ScheduleError(
-                f"message {op.seq} from rank {op.channel[0]} to rank {op.channel[1]}: {send} meets {recv}, "
-                f"expected {partner(send, op.channel[0])}"
-            )
         if blocking:
             finish = max(finish, max(batch.posted, other_posted) + cost["P2P"])
         else:
             finish = max(finish, other_posted + cost["P2P"])
     for op in batch.ops:
-        rank.have.update(makes(op.action))
+        if lazy and not op.action.kind.is_send:
+            rank.receiving.update((token, op) for token in makes(op.action))
+        else:
+            rank.have.update(makes(op.action))
     rank.clock, rank.at, rank.batch = finish, batch.end, None
     return True
+
+
+def _match(op: _Op, posted: dict[tuple[bool, tuple[int, int]], list[tuple[Action, Fraction]]]) -> Fraction | None:
+    """When ``op``'s partner was posted (``None``: not yet); raises if the partner is the wrong transfer."""
+    is_send = op.action.kind.is_send
+    others = posted.get((not is_send, op.channel), [])
+    if len(others) <= op.seq:
+        return None
+    other, other_posted = others[op.seq]
+    send, recv = (op.action, other) if is_send else (other, op.action)
+    if partner(send, op.channel[0]) != recv:
+        raise ScheduleError(
+            f"message {op.seq} from rank {op.channel[0]} to rank {op.channel[1]}: {send} meets {recv}, "
+            f"expected {partner(send, op.channel[0])}"
+        )
+    return other_posted
 
 
 def _require(r: int, rank: _Rank, action: Action, last: int) -> None:
@@ -302,6 +331,13 @@ def _waiting(
 ) -> str:
     """Where rank ``r`` is stuck, for the deadlock message."""
     if rank.batch is None:
+        pending = [
+            str(op.action) for op in rank.receiving.values() if len(posted.get((True, op.channel), [])) <= op.seq
+        ]
+        if pending:
+            return (
+                f"rank {r} at action {rank.at} ({rank.actions[rank.at]}) waits for the partners of {', '.join(pending)}"
+            )
         return f"rank {r} at action {rank.at} ({rank.actions[rank.at]})"
     missing = [
         str(op.action)
