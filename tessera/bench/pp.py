@@ -120,7 +120,7 @@ def run(
     layers: int = 8,
     micro_batch: int = 16,
     microbatches: int = 8,
-    blocks: int = 8,
+    blocks: int = 12,
     steps: int = 3,
 ) -> list[Row]:
     from tessera.testing import RankPool

@@ -3,15 +3,24 @@
 :func:`build_chunks` cuts this rank's model chunks out of the blocks; :class:`PipelineRuntime`
 runs the rank's list from :func:`~tessera.parallel.pipeline.build_schedule`. Each compute action
 is one small method (a dispatch table from :class:`Kind`); each maximal run of adjacent transfers
-is posted as one batched p2p through :mod:`tessera.comm`, in list order, as the schedule's
-deadlock argument requires (``docs/pipeline.md``, "For runtime authors").
+is posted as one batched p2p through :mod:`tessera.comm`, in list order, without waiting: a
+received tensor is waited for by the compute that reads it, the sends at the end of the step
+(``docs/pipeline.md``, "For runtime authors"). Where the backend lets transfers complete in any
+order (gloo), steps after the first walk :func:`~tessera.parallel.pipeline.post_early`'s
+reordering of the list: sends right after their compute, receives as early as pairing allows.
 
 Receive buffers need shapes. The first activation sent across a chunk boundary is preceded by a
-small header (int64 ``[8]``: ndim, dtype code, dims) in a batch of its own, just before the data
-batch; both sides cache the shape per boundary and later steps send data only (activations of a
-boundary have the same shape for every micro-batch). The header batch pairs with the partner's
-header batch exactly as the data batches pair, so it adds no new wait to the schedule's order. A gradient buffer takes the shape of the
-output it is the gradient of, which the receiving rank made itself.
+small header (int64 ``[8]``: ndim, dtype code, dims) in a batch of its own, waited at once, just
+before the data batch; both sides cache the shape per boundary and later steps send data only
+(activations of a boundary have the same shape for every micro-batch). The header batch pairs
+with the partner's header batch exactly as the data batches pair, so it adds no new wait to the
+schedule's order; headers cross on the first step only, which walks the list as generated. A
+gradient buffer takes the shape of the output it is the gradient of, which the receiving rank
+made itself.
+
+The step's loss, known on the last chunk's rank, reaches the other ranks on the gradient of the
+last micro-batch (8 bytes in front of it), not through a collective; zero-bubble's B and W split
+the backward without repeating work (:mod:`~tessera.parallel.pipeline.backward`).
 
 ``run(..., measure=True)`` records a :class:`StepMeasure` of the step in ``runtime.last_measure``
 (off by default; when off, no timer or hook runs): this rank's busy time in compute actions, the
