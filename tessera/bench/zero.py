@@ -413,6 +413,9 @@ def rows_of(world_size: int, groups: list[str], w: Workload, result: Result, wit
             if ours_rss is not None and theirs_rss is not None:
                 for key, metric in MEMORY_METRICS.items():
                     rows.append(Row(name, metric, float(ours_rss[key]), anchor_name, float(theirs_rss[key])))
+                # the process's peak over the whole run: the larger of the two phases
+                rows.append(Row(name, "peak_rss_bytes", float(max(ours_rss.values())), anchor_name,
+                                float(max(theirs_rss.values()))))  # fmt: skip
     return rows
 
 

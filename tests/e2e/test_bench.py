@@ -44,7 +44,7 @@ def test_bench_zero_rows(tmp_path):
     rows = zero.run(
         ranks=[2], preset="tiny", seq_len=16, micro_batch=2, blocks=2, steps=1, memory_steps=1, losses=losses
     )
-    data = check(rows, tmp_path, {"step_time_s", "peak_rss_setup_bytes", "peak_rss_train_bytes"})
+    data = check(rows, tmp_path, {"step_time_s", "peak_rss_setup_bytes", "peak_rss_train_bytes", "peak_rss_bytes"})
     ds = zero.deepspeed_available()  # CI does not install the bench extra: then its rows are absent
     expected = {("zero1", "DeepSpeed ZeRO-1"), ("zero2", "DeepSpeed ZeRO-2"), ("zero2", "torch FSDP2 no-reshard"),
                 ("zero3", "torch FSDP2"), ("zero3", "DeepSpeed ZeRO-3"), ("offload", "DeepSpeed ZeRO-Offload")}  # fmt: skip
