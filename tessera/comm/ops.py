@@ -83,6 +83,17 @@ def watchdog(seconds: float) -> Iterator[None]:
         set_timeout(previous)
 
 
+_gloo: dict[int, tuple[Any, bool]] = {}  # id(process group) -> (the group, whether it runs gloo)
+
+
+def _is_gloo(pg: Any) -> bool:
+    """Whether ``pg`` runs gloo (asked of torch once per group: p2p calls ask per message)."""
+    entry = _gloo.get(id(pg))
+    if entry is None or entry[0] is not pg:
+        entry = _gloo[id(pg)] = (pg, dist.get_backend(pg) == "gloo")
+    return entry[1]
+
+
 def _describe(op: str, group: AxisGroup) -> str:
     rank = dist.get_rank() if dist.is_initialized() else group.global_rank
     return f"rank {rank}: {op} on axis '{group.name}' (group ranks {list(group.ranks)})"
@@ -97,7 +108,7 @@ def _wait(work: Any, op: str, group: AxisGroup) -> None:
     """
     if work is None:
         return
-    timed = dist.get_backend(group.pg) == "gloo"
+    timed = _is_gloo(group.pg)
     try:
         if timed:
             work.wait(timeout=datetime.timedelta(seconds=_timeout_s))
@@ -327,7 +338,7 @@ def p2p_in_any_order(group: Group) -> bool:
     posted). Not with NCCL, which runs the transfers between two ranks one after another in
     posting order: an early receive holds up every later send to that rank until it is matched."""
     g = resolve(group)
-    return g.size == 1 or dist.get_backend(g.pg) == "gloo"
+    return g.size == 1 or _is_gloo(g.pg)
 
 
 def batch_p2p(ops: Sequence[P2POp], *, async_op: bool = False) -> list[Pending]:
@@ -354,7 +365,7 @@ def batch_p2p(ops: Sequence[P2POp], *, async_op: bool = False) -> list[Pending]:
         record(op.kind, g.name, g.size, _nbytes(op.tensor))
         issued.append((op, g, g.global_rank_of(op.peer)))
     works: Sequence[Any]
-    if all(dist.get_backend(g.pg) == "gloo" for _, g, _ in issued):
+    if all(_is_gloo(g.pg) for _, g, _ in issued):
         # gloo does not coalesce: batch_isend_irecv would issue these same calls one by one
         works = [(dist.isend if op.kind == "send" else dist.irecv)(op.tensor, peer, g.pg) for op, g, peer in issued]
     else:  # NCCL coalesces the batch into one group call
