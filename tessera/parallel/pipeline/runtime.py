@@ -54,6 +54,20 @@ _MAKES_INPUT_GRAD = (Kind.BACKWARD, Kind.BACKWARD_INPUT)
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool)
 
 
+def _plan(actions: Sequence[Action]) -> list[tuple[list[Action], Action | None]]:
+    """A rank's list as (run of transfers, compute after it) pairs; the last compute is None."""
+    plan: list[tuple[list[Action], Action | None]] = []
+    transfers: list[Action] = []
+    for action in actions:
+        if action.kind.is_compute:
+            plan.append((transfers, action))
+            transfers = []
+        else:
+            transfers.append(action)
+    plan.append((transfers, None))
+    return plan
+
+
 def build_chunks(blocks: Sequence[nn.Module], boundaries: list[int], chunk_ids: list[int]) -> dict[int, nn.Module]:
     """``{chunk: nn.Sequential of its blocks}`` for the chunks in ``chunk_ids``, cut from
     ``blocks`` at ``boundaries`` (``len(boundaries) + 1`` parts, :func:`chunk_ranges`). The
@@ -156,7 +170,8 @@ class PipelineRuntime:
         # has to cross) sends go right after the compute that makes their data and receives as
         # early as the pairing order allows (post_early), where the backend lets transfers
         # complete in any order (gloo).
-        self._early = post_early(actions) if p2p_in_any_order(group) else list(actions)
+        self._first_plan = _plan(actions)
+        self._plan = _plan(post_early(actions)) if p2p_in_any_order(group) else self._first_plan
         self._boundaries_in = {a.chunk - 1 for a in actions if a.kind is Kind.RECV_ACT}
         self._boundaries_out = {a.chunk for a in actions if a.kind is Kind.SEND_ACT}
         self._check_loss_carrier()
@@ -208,21 +223,21 @@ class PipelineRuntime:
         if stats is not None:
             comm.barrier(self.group)
             start = time.perf_counter()
-        transfers: list[Action] = []
-        for action in self._early if self._shapes_known() else self.actions:
-            if action.kind.is_compute:
+        known = self._shapes_known()
+        for transfers, action in self._plan if known else self._first_plan:
+            if transfers:
+                if not known:
+                    self._exchange_headers(transfers)
                 self._post(transfers)
-                transfers = []
-                self._await_inputs(action)
-                if stats is None:
-                    self._dispatch[action.kind](action)
-                else:
-                    began = time.perf_counter()
-                    self._dispatch[action.kind](action)
-                    stats.busy_s += time.perf_counter() - began
+            if action is None:
+                break
+            self._await_inputs(action)
+            if stats is None:
+                self._dispatch[action.kind](action)
             else:
-                transfers.append(action)
-        self._post(transfers)
+                began = time.perf_counter()
+                self._dispatch[action.kind](action)
+                stats.busy_s += time.perf_counter() - began
         while self._sends:
             self._sends.pop().wait()
         if stats is not None:
@@ -350,11 +365,7 @@ class PipelineRuntime:
 
     def _post(self, transfers: list[Action]) -> None:
         """Post one run of adjacent transfers as one batch, in list order, without waiting: a
-        receive is waited for by the compute that reads it, a send at the end of the step (headers,
-        if any, go first in a batch of their own)."""
-        if not transfers:
-            return
-        self._exchange_headers(transfers)
+        receive is waited for by the compute that reads it, a send at the end of the step."""
         ops = [
             comm.P2POp("send" if a.kind.is_send else "recv", self._transfer_tensor(a), self.group, self._peer(a))
             for a in transfers
