@@ -155,13 +155,15 @@ class Chunk:
         self.to_state(ChunkState.SHARDED)
         self.full.untyped_storage().resize_(0)
 
-    def refresh_full(self) -> None:
+    def refresh_full(self, async_op: bool = False) -> Pending | None:
         """After the shard changed (an optimizer step): every member's new shard into the full
-        buffer (chunks that keep it), or nothing (released chunks gather on next use)."""
-        if self.keep_full:
-            comm.all_gather_into(self.full, self.shard.clone(), self.group)
-        elif self.state is ChunkState.GATHERED:
-            comm.all_gather_into(self.full, self.shard, self.group)
+        buffer (chunks that keep it, or are gathered now), or nothing (released chunks gather on
+        next use). With ``async_op`` the returned gather is still in flight."""
+        if self.keep_full:  # the shard is a view into the full buffer: gather from a copy
+            return comm.all_gather_into(self.full, self.shard.clone(), self.group, async_op=async_op)
+        if self.state is ChunkState.GATHERED:
+            return comm.all_gather_into(self.full, self.shard, self.group, async_op=async_op)
+        return None
 
     def held_bytes(self) -> int:
         """Bytes this member holds for the chunk's payload right now (full buffer and shard)."""

@@ -3,8 +3,8 @@
 Each parameter may say along which axes it is split (``param.tessera_sharded_along``, a tuple
 of axis names, set by tensor-parallel layers); its squared norm is then summed over those axes.
 Parameters on different pipeline stages are distinct, so the total is summed over the pipeline
-axis too. Replicas (the data axis) hold the same gradients after reduction and are not summed,
-except ZeRO's pieces (``param.tessera_zero_slot``), each of which holds a distinct part.
+axis too. Replicas (the data axis) hold the same gradients after reduction and are not summed.
+(ZeRO's pieces are summed by ``ZeroOptimizer.grad_norm``, which knows every rank's layout.)
 """
 
 from __future__ import annotations
@@ -27,10 +27,7 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], ctx: ParallelContext 
         if owner is not None and owner != stage:
             continue  # counted on its owning stage (a tied parameter has gradients on several)
         if p.grad is not None:
-            axes = tuple(getattr(p, "tessera_sharded_along", ()))
-            if hasattr(p, "tessera_zero_slot"):
-                axes += ("data",)  # a ZeRO piece: the rest of the parameter is on the other data ranks
-            by_axes[axes].append(p.grad)
+            by_axes[tuple(getattr(p, "tessera_sharded_along", ()))].append(p.grad)
     device = ctx.device if ctx is not None else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float32, device=device)
     for axes, grads in sorted(by_axes.items()):

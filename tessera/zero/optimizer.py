@@ -212,17 +212,15 @@ class ZeroOptimizer:
         """Step this rank's pieces, write them back into the parameter shards and refresh the
         parameters (all-gather; stage 3 gathers on next use instead)."""
         self.optimizer.step()
-        pending = []
+        pending: list[Pending | None] = []
         with torch.no_grad():
             for chunk, pieces in zip(self.store.chunks, self._pieces):
                 if self._separate and pieces:
                     torch._foreach_copy_([chunk.shard[a:b] for _, a, b in pieces], [p for p, _, _ in pieces])
-                if self.stage < 3:
-                    pending.append(comm.all_gather_into(chunk.full, chunk.shard.clone(), self.group, async_op=True))
-                else:
-                    chunk.refresh_full()
-        for p in pending:
-            p.wait()
+                pending.append(chunk.refresh_full(async_op=True))
+        for work in pending:
+            if work is not None:
+                work.wait()
         for pieces in self._pieces:  # fp32 gradient pieces are transient
             for piece, _, _ in pieces:
                 piece.grad = None
