@@ -306,6 +306,7 @@ def parallel_dims(config: Config, world_size: int) -> ParallelDims:
         tensor=p.tensor.size,
         tensor_mode=p.tensor.mode,
         tensor_depth=p.tensor.depth,
+        sequence_parallel=p.tensor.sequence_parallel,
     )
 
 

@@ -106,6 +106,7 @@ class ParallelDims:
     tensor: int = 1
     tensor_mode: str = "1d"
     tensor_depth: int = 1
+    sequence_parallel: bool = False  # 1D only: activations outside Col -> Row regions split along the sequence
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -115,6 +116,8 @@ class ParallelDims:
             if value < 1:
                 raise ConfigError(f"parallel.{name} size {value} must be at least 1")
         check_tensor_layout(self.tensor, self.tensor_mode, self.tensor_depth)
+        if self.sequence_parallel and self.tensor_mode != "1d":
+            raise ConfigError(f"parallel.tensor.sequence_parallel=True needs mode '1d' (mode is {self.tensor_mode!r})")
         model = self.pipeline * self.sequence * self.tensor
         sizes = f"pipeline={self.pipeline} x sequence={self.sequence} x tensor={self.tensor}"
         if self.data is None:

@@ -34,13 +34,7 @@ def _is_parallel(ctx: ParallelContext | None) -> bool:
 
 def _sequence_parallel(ctx: ParallelContext | None) -> bool:
     """Whether 1D sequence-parallel regions are configured (``parallel.tensor.sequence_parallel``)."""
-    return (
-        _is_parallel(ctx)
-        and ctx is not None
-        and ctx.dims.tensor_mode == "1d"
-        and ctx.config is not None
-        and ctx.config.parallel.tensor.sequence_parallel
-    )
+    return _is_parallel(ctx) and ctx is not None and ctx.dims.sequence_parallel
 
 
 def mode_module(ctx: ParallelContext) -> ModuleType:

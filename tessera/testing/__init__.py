@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import torch.distributed as dist
@@ -22,6 +23,7 @@ def use_layout(
     tensor: int = 1,
     mode: str = "1d",
     depth: int = 1,
+    sequence_parallel: bool | None = None,
     seed: int = 42,
     config: Any = None,
 ) -> ParallelContext:
@@ -32,12 +34,18 @@ def use_layout(
     one from ``tessera.launch`` does; its ``parallel`` section must describe the same layout.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
-    dims = ParallelDims(world, data, pipeline, sequence, tensor, mode, depth)
-    if dims not in _contexts:
-        _contexts[dims] = ParallelContext(dims, seed=seed)
-    ctx = _contexts[dims]
-    if config is not None:
-        cfg = load_config(config)
+    cfg = load_config(config) if config is not None else None
+    if sequence_parallel is None:  # taken from the config when it has one
+        sequence_parallel = cfg is not None and cfg.parallel.tensor.sequence_parallel
+    dims = ParallelDims(world, data, pipeline, sequence, tensor, mode, depth, sequence_parallel)
+    groups_key = dataclasses.replace(dims, sequence_parallel=False)  # the same process groups either way
+    if groups_key not in _contexts:
+        _contexts[groups_key] = ParallelContext(groups_key, seed=seed)
+    ctx = _contexts[groups_key]
+    if dims != groups_key:
+        ctx = copy.copy(ctx)
+        ctx.dims = dims
+    if cfg is not None:
         if parallel_dims(cfg, world) != dims:
             raise ValueError(f"config layout {parallel_dims(cfg, world)} differs from the requested {dims}")
         ctx = copy.copy(ctx)  # the cached groups, with this config
