@@ -16,8 +16,9 @@ import torch.distributed as dist
 
 from tessera import comm
 from tessera.config import Config, ConfigSource, load_config, parallel_dims
-from tessera.context import ParallelContext, seed_all, set_context
+from tessera.context import ParallelContext, seed_all
 from tessera.errors import ConfigError
+from tessera.session import set_session
 
 
 def resolve_backend(requested: str | None) -> str:
@@ -79,8 +80,8 @@ def launch(
         )
     comm.set_timeout(cfg.comm.timeout_s)
     seed_all(cfg.seed)
-    ctx = ParallelContext(dims, device=device, seed=cfg.seed, config=cfg)
-    set_context(ctx)
+    ctx = ParallelContext(dims, device=device, seed=cfg.seed)
+    set_session(ctx, cfg)
     return ctx
 
 
@@ -155,9 +156,9 @@ def shutdown() -> None:
     """
     if dist.is_initialized():
         comm.barrier(comm.AxisGroup("world", tuple(range(dist.get_world_size())), dist.get_rank(), dist.group.WORLD))
-        set_context(None)
+        set_session(None, None)
         dist.destroy_process_group()
-    set_context(None)
+    set_session(None, None)
 
 
 __all__ = ["Config", "launch", "launch_from_openmpi", "launch_from_slurm", "launch_from_torch", "shutdown"]

@@ -138,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--run-dir", default=None)
     args = parser.parse_args(argv)
     ctx = tessera.launch_from_torch(args.config, overrides=args.set)
-    cfg = ctx.config
+    cfg = tessera.current_config()
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
     run_dir = Path(comm.broadcast_object(str(run_dir), ctx.group("world")))  # one folder for all ranks
     try:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
@@ -12,8 +13,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tessera import comm
-from tessera.context import get_context, has_context
-from tessera.parallel.tensor.common import gather_full, local_shard, spec_of
+from tessera.context import ParallelContext
+from tessera.context.placement import Placement, ReleasableStorage, placement_of
+from tessera.parallel.tensor.common import gather_full, local_shard
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -34,14 +36,14 @@ def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer of ``model`` as full CPU tensors under single-process keys.
 
-    Collective (every rank of the tensor group must call it): a sharded parameter is gathered
-    along the axes of its ``tessera_shard`` spec and its padding dropped. Every rank returns the
-    same dict.
+    Collective (every rank of the model's layout must call it): a sharded parameter is gathered
+    along the axes of its placement's spec and its padding dropped, a pipeline stage's parameter
+    is sent from its stage, released storage is gathered first. Every rank returns the same dict.
     """
     module = _unwrap(model)
     out: dict[str, torch.Tensor] = {}
     gathered: dict[int, torch.Tensor] = {}  # tied parameters are gathered once
-    with _zero_gathered(module):
+    with _storage_gathered(module):
         for key, tensor in _named_tensors(module).items():
             if id(tensor) not in gathered:
                 gathered[id(tensor)] = _full_tensor(tensor).to("cpu", copy=True)
@@ -49,22 +51,43 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _zero_gathered(module: nn.Module) -> AbstractContextManager[None]:
-    """Under ZeRO-3 the parameters are readable only while their chunks are gathered."""
-    zero = getattr(module, "tessera_zero", None)
-    return zero.gathered() if zero is not None else nullcontext()
+def _storages(module: nn.Module) -> list[ReleasableStorage]:
+    """The owners of released or sharded storage behind ``module``'s parameters (a ZeRO chunk
+    store, say), in parameter order: the same order on every rank."""
+    found: dict[int, ReleasableStorage] = {}
+    for p in module.parameters():
+        storage = placement_of(p).storage
+        if storage is not None:
+            found.setdefault(id(storage), storage)
+    return list(found.values())
+
+
+@contextmanager
+def _storage_gathered(module: nn.Module) -> Iterator[list[ReleasableStorage]]:
+    """Every parameter of ``module`` readable inside the block (released storage gathered)."""
+    storages = _storages(module)
+    with ExitStack() as stack:
+        for storage in storages:
+            stack.enter_context(storage.gathered())
+        yield storages
+
+
+def _mesh(placement: Placement, key: str) -> ParallelContext:
+    if placement.mesh is None:
+        raise ValueError(f"{key}: its placement names no parallel context to gather or shard it with")
+    return placement.mesh
 
 
 def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The full value of one parameter: gathered over the tensor axes that split it, and fetched
     from the pipeline stage that trains it."""
     full = tensor.detach()
-    spec = spec_of(tensor)
-    if spec is not None:
-        full = gather_full(full, spec, get_context())
-    owner = getattr(tensor, "tessera_pipeline_owner", None)
-    if owner is not None and has_context() and get_context().size("pipeline") > 1:
-        full = comm.broadcast(full.clone(), get_context().group("pipeline"), src=owner)
+    placement = placement_of(tensor)
+    if placement.shard is not None:
+        full = gather_full(full, placement.shard, _mesh(placement, "a sharded tensor"))
+    mesh = placement.mesh
+    if placement.stage is not None and mesh is not None and mesh.size("pipeline") > 1:
+        full = comm.broadcast(full.clone(), mesh.group("pipeline"), src=placement.stage)
     return full
 
 
@@ -76,18 +99,17 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
     missing, unexpected = sorted(set(named) - set(state)), sorted(set(state) - set(named))
     if missing or unexpected:
         raise KeyError(f"state dict does not match the model: missing {missing}, unexpected {unexpected}")
-    zero = getattr(module, "tessera_zero", None)
-    with torch.no_grad(), _zero_gathered(module):
+    with torch.no_grad(), _storage_gathered(module) as storages:
         for key, tensor in named.items():
             full = state[key]
-            spec = spec_of(tensor)
-            if spec is not None:
-                full = local_shard(full.to(tensor.dtype), spec, get_context())
+            placement = placement_of(tensor)
+            if placement.shard is not None:
+                full = local_shard(full.to(tensor.dtype), placement.shard, _mesh(placement, key))
             if tuple(full.shape) != tuple(tensor.shape):
                 raise ValueError(f"{key}: shape {tuple(full.shape)} does not fit {tuple(tensor.shape)}")
             tensor.copy_(full)
-        if zero is not None:
-            zero.params_loaded()  # the shards and fp32 masters follow the new values
+        for storage in storages:
+            storage.params_loaded()  # shards and fp32 masters follow the new values
 
 
 def save_weights(state: dict[str, torch.Tensor], path: str | Path) -> Path:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
@@ -30,7 +28,6 @@ class ParallelContext:
         *,
         device: torch.device | None = None,
         seed: int = 42,
-        config: Any = None,
     ) -> None:
         if dist.is_initialized():
             rank, world = dist.get_rank(), dist.get_world_size()
@@ -43,7 +40,6 @@ class ParallelContext:
         self.world_size = world
         self.device = device or torch.device("cpu")
         self.backend = dist.get_backend() if dist.is_initialized() else None
-        self.config = config
         self.coordinates = dims.coordinates(rank)
         self._groups: dict[AxisSpec, AxisGroup] = {}
         self._pg_cache: dict[tuple[int, ...], dist.ProcessGroup] = {}

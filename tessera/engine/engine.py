@@ -16,12 +16,11 @@ from torch import nn
 
 from tessera import comm
 from tessera.amp import LossScaler, autocast
-from tessera.checkpoint import full_state_dict, load_full_state_dict
-from tessera.config import Config
 from tessera.context import ParallelContext
+from tessera.engine.options import LossScaleOptions, TrainingOptions
 from tessera.errors import TesseraError
-from tessera.optim import clip_grad_norm_, global_grad_norm
-from tessera.zero import ZeroOptimizer
+from tessera.optim import clip_grad_norm_
+from tessera.parallel.strategy import Strategy
 
 
 class _MissingCriterion:
@@ -52,46 +51,53 @@ def _split_batch(batch: Any) -> tuple[Any, Any]:
 
 
 class Engine:
-    """Runs forward, backward and optimizer steps for one model under the current layout."""
+    """Runs forward, backward and optimizer steps for one model through its layout's strategy."""
 
     def __init__(
         self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | ZeroOptimizer,
+        strategy: Strategy,
         criterion: Callable[..., torch.Tensor] | None,
         *,
         ctx: ParallelContext,
-        config: Config,
-        module: nn.Module | None = None,
-        pipeline: Any = None,
+        options: TrainingOptions,
     ) -> None:
-        self.model = model
-        self.module = module if module is not None else model
-        self.optimizer = optimizer
+        self.strategy = strategy
         self._criterion = criterion
         self.ctx = ctx
-        self.config = config
-        self.accumulation = config.gradient_accumulation
-        self.clip_grad_norm = config.clip_grad_norm
-        self.precision = config.mixed_precision.dtype
-        mp = config.mixed_precision
+        self.options = options
+        self.accumulation = options.gradient_accumulation
+        self.clip_grad_norm = options.clip_grad_norm
+        self.precision = options.precision
         self.scaler: LossScaler | None = None
         if self.precision == "fp16":
-            dynamic = mp.loss_scale == "dynamic"
+            ls = options.loss_scale or LossScaleOptions()
             self.scaler = LossScaler(
-                mp.initial_scale if dynamic else float(mp.loss_scale),
-                dynamic=dynamic,
-                growth_interval=mp.growth_interval,
-                growth_factor=mp.growth_factor,
-                backoff_factor=mp.backoff_factor,
-                min_scale=mp.min_scale,
+                ls.initial_scale,
+                dynamic=ls.dynamic,
+                growth_interval=ls.growth_interval,
+                growth_factor=ls.growth_factor,
+                backoff_factor=ls.backoff_factor,
+                min_scale=ls.min_scale,
             )
-        self.pipeline = pipeline  # a PipelineStage when the layout has pipeline stages
-        self._synced_at = -1  # the step at which every rank last received every stage's weights
         self.micro_step = 0  # micro-steps since the last optimizer step
         self.global_step = 0  # optimizer steps taken or skipped
         self.last_grad_norm: float | None = None
         self.last_step_skipped = False
+
+    @property
+    def model(self) -> nn.Module:
+        """What a forward pass calls (the user's model, or the strategy's wrapper of it)."""
+        return self.strategy.model
+
+    @property
+    def module(self) -> nn.Module:
+        """The user's model."""
+        return self.strategy.module
+
+    @property
+    def optimizer(self) -> Any:
+        """The optimizer that steps (the user's, or a sharded one that behaves like it)."""
+        return self.strategy.optimizer
 
     # ---- the user-facing loop ---------------------------------------------------------------
     @property
@@ -107,8 +113,9 @@ class Engine:
 
     @property
     def micro_batches_per_step(self) -> int:
-        """Micro-batches one optimizer step consumes: the pipeline's, else the accumulation steps."""
-        return self.pipeline.microbatches if self.pipeline is not None else self.accumulation
+        """Micro-batches one optimizer step consumes: the schedule's, else the accumulation steps."""
+        scheduled = self.strategy.scheduled_microbatches
+        return scheduled if scheduled is not None else self.accumulation
 
     @property
     def is_final_micro_step(self) -> bool:
@@ -117,23 +124,13 @@ class Engine:
     def zero_grad(self) -> None:
         """Clear gradients at the start of an accumulation cycle (a no-op inside one)."""
         if self.micro_step == 0:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.strategy.zero_grad()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Forward pass under autocast; gradients sync only on the final micro-step."""
-        if self.pipeline is not None:
-            if torch.is_grad_enabled():
-                raise TesseraError(
-                    "with pipeline stages the engine trains whole steps: call engine.train_batch(data_iter) "
-                    "(each item one micro-batch of (inputs, targets)); engine(x) is for evaluation under no_grad"
-                )
-            self._sync_pipeline_weights()
-            with autocast(self.precision, self.ctx.device):
-                return self.module(*args, **kwargs)
-        if hasattr(self.model, "require_backward_grad_sync"):
-            self.model.require_backward_grad_sync = self.is_final_micro_step or not torch.is_grad_enabled()  # type: ignore[assignment]
+        final = self.is_final_micro_step or not torch.is_grad_enabled()
         with autocast(self.precision, self.ctx.device):
-            return self.model(*args, **kwargs)
+            return self.strategy.forward(*args, final=final, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` (divided by the accumulation steps, scaled for fp16)."""
@@ -159,35 +156,28 @@ class Engine:
     def _apply_gradients(self) -> bool:
         """Unscale and check overflow (fp16), clip, and step the optimizer; counts the step."""
         self.global_step += 1
-        if isinstance(self.optimizer, ZeroOptimizer):
-            self.optimizer.reduce_gradients()  # each rank now holds the average of its shard
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        self.strategy.reduce_gradients()  # gradients now as single-process training has them
+        params = self.strategy.gradient_tensors()
         if self.scaler is not None:
             grads = [p.grad for p in params if p.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-            overflow = self._overflow_anywhere(params)
+            overflow = self._overflow_anywhere()
             self.scaler.update(overflow)
             if overflow:
                 self.last_step_skipped = True
-                self.optimizer.zero_grad(set_to_none=True)
+                self.strategy.zero_grad()
                 return False
         if self.clip_grad_norm is not None:
-            norm = self._grad_norm(params)
+            norm = self.strategy.grad_norm()
             self.last_grad_norm = float(clip_grad_norm_(params, self.clip_grad_norm, self.ctx, norm=norm))
-        self.optimizer.step()
+        self.strategy.step()
         self.last_step_skipped = False
         return True
 
-    def _grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
-        """The whole model's gradient norm (ZeRO's pieces need their own bookkeeping)."""
-        if isinstance(self.optimizer, ZeroOptimizer):
-            return self.optimizer.grad_norm()
-        return global_grad_norm(params, self.ctx)
-
-    def _overflow_anywhere(self, params: list[nn.Parameter]) -> bool:
+    def _overflow_anywhere(self) -> bool:
         """Whether any rank of the world holds a non-finite gradient."""
-        norm = self._grad_norm(params)
+        norm = self.strategy.grad_norm()
         flag = torch.tensor([0.0 if math.isfinite(float(norm)) else 1.0], device=self.ctx.device)
         comm.all_reduce(flag, self.ctx.group("world"), op="max")
         return bool(flag.item() > 0)
@@ -206,8 +196,8 @@ class Engine:
         the global batch, as one process would compute it. Its reduction starts as soon as the
         last forward is done and overlaps the backward pass and the optimizer step.
         """
-        if self.pipeline is not None:
-            return self._train_pipeline_batch(data_iter)
+        if self.strategy.scheduled_microbatches is not None:
+            return self._train_scheduled_batch(data_iter, self.strategy.scheduled_microbatches)
         self.zero_grad()
         total = torch.zeros((), device=self.ctx.device)
         pending = None
@@ -223,41 +213,17 @@ class Engine:
         assert pending is not None
         return float(pending.wait()) / self.ctx.size("data")
 
-    def _train_pipeline_batch(self, data_iter: Iterator[Any]) -> float:
-        """One optimizer step through the pipeline schedule over ``microbatches`` items of
-        ``data_iter``; gradients are then averaged over the data axis in one all-reduce."""
-        self.optimizer.zero_grad(set_to_none=True)
-        batches = [
-            _split_batch(_to_device(next(data_iter), self.ctx.device)) for _ in range(self.pipeline.microbatches)
-        ]
+    def _train_scheduled_batch(self, data_iter: Iterator[Any], microbatches: int) -> float:
+        """One optimizer step through the strategy's schedule over ``microbatches`` items of
+        ``data_iter``; the gradients then meet over the data axis through the strategy."""
+        self.strategy.zero_grad()
+        batches = [_split_batch(_to_device(next(data_iter), self.ctx.device)) for _ in range(microbatches)]
         with autocast(self.precision, self.ctx.device):
-            loss = self.pipeline.step(batches)
+            loss = self.strategy.run_schedule(batches, self.criterion)
         if not math.isfinite(loss):
             raise FloatingPointError(f"non-finite loss {loss} at step {self.global_step} in {self.precision}")
-        if not isinstance(self.optimizer, ZeroOptimizer):  # ZeRO reduce-scatters in _apply_gradients
-            self._average_over_data([p for p in self.module.parameters() if p.grad is not None])
         self._apply_gradients()
         return self.mean_over_data(loss)
-
-    def _sync_pipeline_weights(self) -> None:
-        """Give every rank the current weights of every stage (collective), once per step, so a
-        forward pass for evaluation can run the whole model on each rank."""
-        if self._synced_at == self.global_step:
-            return
-        load_full_state_dict(self.module, full_state_dict(self.module))
-        self._synced_at = self.global_step
-
-    def _average_over_data(self, params: list[nn.Parameter]) -> None:
-        group = self.ctx.group("data")
-        if group.size == 1 or not params:
-            return
-        flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
-        comm.all_reduce(flat, group, op="avg")
-        offset = 0
-        for p in params:
-            assert p.grad is not None
-            p.grad.copy_(flat[offset : offset + p.grad.numel()].view_as(p.grad))
-            offset += p.grad.numel()
 
     @torch.no_grad()
     def eval_batch(self, data_iter: Iterator[Any]) -> tuple[float, Any]:
@@ -268,7 +234,8 @@ class Engine:
         return self.mean_over_data(loss), outputs
 
     def state_dict(self) -> dict[str, Any]:
-        """Engine counters and loss-scaler state (model and optimizer state are saved apart)."""
+        """Engine counters and loss-scaler state (model and optimizer state are saved apart:
+        ``full_state_dict(engine.module)`` and ``engine.strategy.state_dict()``)."""
         return {
             "global_step": self.global_step,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,

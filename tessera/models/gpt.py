@@ -8,7 +8,6 @@ token embedding. The ``gpt2*`` presets match the published GPT-2 sizes parameter
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +16,7 @@ from torch import nn
 
 from tessera import nn as tnn
 from tessera.checkpoint import load_full_state_dict
+from tessera.context.placement import full_numel
 from tessera.errors import ConfigError
 from tessera.models.transformer import Block, StagePart, gpt2_rule, init_full_state
 
@@ -132,8 +132,7 @@ class GPT(nn.Module):
     def num_parameters(self) -> int:
         """Number of parameter elements of the full model, counting a tied (shared) weight once."""
         unique = {id(p): p for p in self.parameters()}
-        return sum(math.prod(p.tessera_shard.full_shape) if hasattr(p, "tessera_shard") else p.numel()
-                   for p in unique.values())  # fmt: skip
+        return sum(full_numel(p) for p in unique.values())
 
 
 def pipeline_layer_count(preset: str = "tiny", overrides: dict[str, Any] | None = None) -> int:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera import nn as tnn
+from tessera.context.placement import placement_of
 
 
 class SelfAttention(nn.Module):
@@ -85,8 +86,7 @@ class StagePart(nn.Module):
 
 def full_shape(param: torch.Tensor) -> tuple[int, ...]:
     """Single-process shape of a parameter (a sharded one reports its full shape)."""
-    spec = getattr(param, "tessera_shard", None)
-    return tuple(spec.full_shape) if spec is not None else tuple(param.shape)
+    return placement_of(param).full_shape(param)
 
 
 def init_full_state(module: nn.Module, rule: Callable[[str, tuple[int, ...]], torch.Tensor]) -> dict[str, torch.Tensor]:

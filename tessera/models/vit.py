@@ -5,7 +5,6 @@ token. The same definition runs in every tensor-parallel mode."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +13,7 @@ from torch import nn
 
 from tessera import nn as tnn
 from tessera.checkpoint import load_full_state_dict
+from tessera.context.placement import full_numel
 from tessera.models.transformer import Block, StagePart, gpt2_rule, init_full_state
 
 
@@ -94,10 +94,7 @@ class ViT(nn.Module):
         return [embed, *self.blocks, StagePart(self.classify, norm=self.norm, head=self.head)]
 
     def num_parameters(self) -> int:
-        return sum(
-            math.prod(p.tessera_shard.full_shape) if hasattr(p, "tessera_shard") else p.numel()
-            for p in self.parameters()
-        )
+        return sum(full_numel(p) for p in self.parameters())
 
 
 def vit(preset: str = "tiny", **overrides: Any) -> ViT:

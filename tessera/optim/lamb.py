@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from tessera.context import ParallelContext
-from tessera.optim.norms import full_ndim, resolve_context, whole_sq_norms, zero_layout_of
+from tessera.optim.norms import full_ndim, mesh_of, whole_sq_norms, zero_layout_of
 
 ExcludeRule = Callable[[torch.Tensor], bool]
 
@@ -99,7 +99,7 @@ class LAMB(torch.optim.Optimizer):
         sq = whole_sq_norms(
             adapted_params + adapted_updates,
             adapted_params + adapted_params,
-            resolve_context(self.ctx),
+            self.ctx or mesh_of(p for group in self.param_groups for p in group["params"]),
             zero_layout_of(self, 2),
         )
         ratios = trust_ratio(sq[:n], sq[n:])

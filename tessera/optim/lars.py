@@ -24,7 +24,7 @@ import torch
 
 from tessera.context import ParallelContext
 from tessera.optim.lamb import ExcludeRule, check_hyperparameters, default_exclude
-from tessera.optim.norms import resolve_context, whole_sq_norms, zero_layout_of
+from tessera.optim.norms import mesh_of, whole_sq_norms, zero_layout_of
 
 
 class LARS(torch.optim.Optimizer):
@@ -84,7 +84,7 @@ class LARS(torch.optim.Optimizer):
         sq = whole_sq_norms(
             adapted_params + adapted_grads,
             adapted_params + adapted_params,
-            resolve_context(self.ctx),
+            self.ctx or mesh_of(p for group in self.param_groups for p in group["params"]),
             zero_layout_of(self, 2),
         )
         w_norm, g_norm = sq[:n].sqrt(), sq[n:].sqrt()

@@ -1,53 +1,56 @@
-"""Per-parameter norms of parameters that are spread over ranks.
+"""Norms of parameters that are spread over ranks: the one implementation behind clipping,
+the fp16 overflow check, LAMB and LARS.
 
-Layer-wise adaptive optimizers (LAMB, LARS) scale each parameter's update by a ratio of norms of
-the WHOLE parameter. When the tensor an optimizer holds is only a piece of the parameter, the
-piece's squared norm is summed with the other pieces' over the ranks that hold them. The tensors
-say how they are split through attributes:
+Each tensor's :class:`~tessera.context.placement.Placement` says how it is spread:
 
-- ``tessera_sharded_along: tuple[str, ...]`` (tensor parallelism): the tensor is a block of a
-  larger parameter split along these mesh axes; the squared norm is summed over each axis.
-- ``tessera_zero_slot: tuple[int, int]`` = ``(slot, nslots)`` (ZeRO): the tensor is this
-  data-parallel rank's part of parameter ``slot`` of ``nslots`` parameters flattened and split
-  over the ``data`` axis; the squared norms are summed over the data axis in one dense vector.
-- ``tessera_full_shape: torch.Size``: the whole parameter's shape, for a piece that is 1-D
-  (used by the optimizers' default exclusion rule, see :func:`full_ndim`).
+- ``shard`` (tensor parallelism): the tensor is a block of a larger parameter split along
+  ``split_axes``; its squared norm is summed over each of those axes;
+- ``zero`` (ZeRO): the tensor is this data-parallel rank's piece of parameter ``zero.index`` of
+  ``zero.count`` parameters flattened and split over the ``data`` axis; squared norms are summed
+  over the data axis in one dense vector of ``count`` slots;
+- ``stage`` (pipelines): the pipeline rank that counts the parameter in a whole-model norm (a
+  tied parameter has gradients on several ranks); whole-model sums add up the stages.
 
-A tensor may carry both split attributes (a ZeRO piece of a tensor-parallel block): the data
-sum comes first, then the sums over the tensor axes.
+A piece may carry both split kinds (a ZeRO piece of a tensor-parallel block): the data sum comes
+first, then the sums over the tensor axes. Replicas (the data axis without ZeRO) hold the same
+gradients after reduction and are not summed.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
 from tessera import comm
-from tessera.context import ParallelContext, get_context, has_context
+from tessera.context import ParallelContext
+from tessera.context.placement import Placement, placement_of
 
 
 def full_ndim(param: torch.Tensor) -> int:
     """Number of dimensions of the whole parameter that ``param`` is (a piece of)."""
-    return len(getattr(param, "tessera_full_shape", param.shape))
+    return len(placement_of(param).full_shape(param))
 
 
 def zero_layout_of(optimizer: torch.optim.Optimizer, quantities: int) -> tuple[int, int] | None:
     """``(quantities, nslots)`` when ``optimizer`` holds ZeRO pieces (any of its tensors), else None."""
     for group in optimizer.param_groups:
         for p in group["params"]:
-            slot = getattr(p, "tessera_zero_slot", None)
-            if slot is not None:
-                return quantities, int(slot[1])
+            zero = placement_of(p).zero
+            if zero is not None:
+                return quantities, zero.count
     return None
 
 
-def resolve_context(ctx: ParallelContext | None) -> ParallelContext | None:
-    """``ctx`` if given, else the current tessera context if there is one, else None (local)."""
-    if ctx is not None:
-        return ctx
-    return get_context() if has_context() else None
+def mesh_of(tensors: Iterable[torch.Tensor]) -> ParallelContext | None:
+    """The context that split ``tensors`` (the first one recorded in a placement), or None when
+    every tensor is held whole by every rank (nothing to sum)."""
+    for t in tensors:
+        mesh = placement_of(t).mesh
+        if mesh is not None:
+            return mesh
+    return None
 
 
 def local_sq_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -67,9 +70,9 @@ def whole_sq_norms(
     """Squared 2-norm of the whole parameter that each ``tensors[i]`` is a piece of.
 
     ``tensors[i]`` is a quantity (weight, update, gradient) of ``params[i]``, with its shape;
-    ``params[i]`` carries the split attributes described in the module docstring. Returns a 1-D
-    fp32 vector ``[len(tensors)]`` on the tensors' device. With ``ctx`` None it is the local
-    squared norms.
+    ``params[i]``'s placement says how it is split (module docstring). Returns a 1-D fp32 vector
+    ``[len(tensors)]`` on the tensors' device. Sums run over the groups of ``ctx``; with ``ctx``
+    None it is the local squared norms.
 
     A parameter may be listed several times (one entry per quantity, e.g. weights then updates);
     pass every quantity in one call to pay for one set of all-reduces.
@@ -77,7 +80,7 @@ def whole_sq_norms(
     Collective when ``ctx`` has ranks to sum over: when any rank holds ZeRO pieces, every rank
     of the data group must call it with pieces (a zero-length one will do), the same ``nslots``
     and the same number of quantities per piece; every rank of a tensor group must call it with
-    the same set of ``tessera_sharded_along`` tuples (one all-reduce per distinct tuple and
+    the same set of split-axes tuples (one all-reduce per distinct tuple and
     axis, in sorted order). ``zero_layout = (quantities per piece, nslots)``, when the caller
     knows it holds ZeRO pieces, makes the data all-reduce happen even when this rank passes
     none (its pieces were all excluded, say), so that it still meets the other ranks.
@@ -90,7 +93,7 @@ def whole_sq_norms(
     _sum_zero_pieces(sq, params, ctx, zero_layout)
     by_axes: dict[tuple[str, ...], list[int]] = defaultdict(list)
     for i, p in enumerate(params):
-        axes = tuple(getattr(p, "tessera_sharded_along", ()))
+        axes = placement_of(p).split_axes
         if axes and any(ctx.size(a) > 1 for a in axes):
             by_axes[axes].append(i)
     for axes, index in sorted(by_axes.items()):
@@ -118,10 +121,10 @@ def _sum_zero_pieces(
     seen: dict[int, int] = defaultdict(int)
     nslots: int | None = layout[1] if layout is not None else None
     for i, p in enumerate(params):
-        slot = getattr(p, "tessera_zero_slot", None)
-        if slot is None:
+        zero = placement_of(p).zero
+        if zero is None:
             continue
-        s, n = int(slot[0]), int(slot[1])
+        s, n = zero.index, zero.count
         if nslots is None:
             nslots = n
         elif n != nslots:
@@ -144,3 +147,72 @@ def _sum_zero_pieces(
     dense.index_put_(at, sq.index_select(0, picked), accumulate=True)  # two pieces of one slot add up
     comm.all_reduce(dense, ctx.group("data"))
     sq.index_copy_(0, picked, dense[at])
+
+
+def _stage_sum(parts: dict[tuple[str, ...], torch.Tensor], ctx: ParallelContext, device: torch.device) -> torch.Tensor:
+    """The whole-model sum of squares from per-split-kind partial sums: each part summed over
+    the axes that split its parameters (sorted, the same order on every rank), then all parts
+    added and summed over the pipeline stages."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for axes, part in sorted(parts.items()):
+        for axis in axes:
+            comm.all_reduce(part, ctx.group(axis))
+        total = total + part
+    comm.all_reduce(total, ctx.group("pipeline"))
+    return total
+
+
+def _squares(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([n.float() for n in torch._foreach_norm(list(grads), 2.0)]).pow(2)
+
+
+def global_grad_norm(
+    params: Iterable[torch.Tensor],
+    ctx: ParallelContext | None = None,
+    *,
+    zero_slots: Sequence[Placement] | None = None,
+) -> torch.Tensor:
+    """The 2-norm of the whole model's gradient (a 0-dim fp32 tensor on ``ctx``'s device), each
+    whole parameter counted once, however its gradient is spread over the ranks.
+
+    ``params``: the tensors whose ``.grad`` make up the gradient on this rank. Without
+    ``zero_slots`` they are (blocks of) the model's parameters, each counted on the pipeline
+    stage that owns it. With ``zero_slots`` they are ZeRO pieces and ``zero_slots[i]`` is the
+    placement of the model's parameter ``i`` (the same list on every data rank): the per-slot
+    squares are summed over the data axis first, so that a rank whose pieces are all padding
+    still makes the same collectives. Collective over every axis of ``ctx``.
+    """
+    params = list(params)
+    if ctx is None:
+        ctx = mesh_of(params)
+    device = ctx.device if ctx is not None else torch.device("cpu")
+    parts: dict[tuple[str, ...], torch.Tensor] = {}
+    if zero_slots is None:
+        stage = ctx.local_rank("pipeline") if ctx is not None else 0
+        by_axes: dict[tuple[str, ...], list[torch.Tensor]] = defaultdict(list)
+        for p in params:
+            placement = placement_of(p)
+            if p.grad is not None and placement.counted_on(stage):
+                by_axes[placement.split_axes].append(p.grad)
+        parts = {axes: _squares(grads).sum() for axes, grads in by_axes.items()}
+    else:
+        if ctx is None:
+            raise ValueError("global_grad_norm over ZeRO pieces needs the context they are spread over")
+        per_slot = torch.zeros(len(zero_slots), dtype=torch.float32, device=device)
+        pieces = [p for p in params if p.grad is not None]
+        if pieces:
+            index = [placement_of(p).zero.index for p in pieces]  # type: ignore[union-attr]
+            per_slot.index_add_(0, torch.tensor(index, device=device), _squares([p.grad for p in pieces]).to(device))  # type: ignore[misc]
+        comm.all_reduce(per_slot, ctx.group("data"))
+        stage = ctx.local_rank("pipeline")
+        members: dict[tuple[str, ...], list[int]] = defaultdict(list)
+        for i, placement in enumerate(zero_slots):
+            if placement.counted_on(stage):
+                members[placement.split_axes].append(i)
+        parts = {axes: per_slot[index].sum() for axes, index in members.items()}
+    if ctx is None:
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for _, part in sorted(parts.items()):
+            total = total + part
+        return total.sqrt()
+    return _stage_sum(parts, ctx, device).sqrt()

@@ -1,5 +1,6 @@
 """Data parallelism: torch DDP with its gradient buckets reduced through ``tessera.comm`` (so the
-comm ledger counts them), and data loaders that give each data-parallel rank its own samples."""
+comm ledger counts them), data loaders that give each data-parallel rank its own samples, and
+the two replicated-optimizer strategies (DDP, and one all-reduce at the step)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from tessera import comm
 from tessera.comm import AxisGroup
+from tessera.context import ParallelContext
 from tessera.errors import ConfigError
+from tessera.parallel.strategy import Strategy
 
 
 def _bucket_all_reduce_hook(group: AxisGroup, bucket):  # type: ignore[no-untyped-def]
@@ -78,3 +81,47 @@ def distributed_loader(loader: DataLoader, group: AxisGroup, seed: int) -> DataL
         worker_init_fn=loader.worker_init_fn,
         persistent_workers=loader.persistent_workers if loader.num_workers > 0 else False,
     )
+
+
+class DataParallel(Strategy):
+    """Plain data parallelism: the model wrapped in DDP over the data axis, which averages the
+    gradients during the step's last backward pass; the user's optimizer steps replicas alike."""
+
+    name = "ddp"
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        self.ctx = ctx
+        self.model = wrap_data_parallel(module, ctx.group("data"), ctx.device)
+
+    def forward(self, *args: Any, final: bool = True, **kwargs: Any) -> Any:
+        if isinstance(self.model, DistributedDataParallel):
+            self.model.require_backward_grad_sync = final  # no reduction on non-final micro-steps
+        return self.model(*args, **kwargs)
+
+
+class AverageAtStep(Strategy):
+    """Replicated optimizer whose gradients are averaged over the data axis in one flat
+    all-reduce after the step's last backward (for modules not wrapped in DDP, such as a
+    pipeline stage's, whose step runs many backward passes)."""
+
+    name = "allreduce"
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext) -> None:
+        self.module = self.model = module
+        self.optimizer = optimizer
+        self.ctx = ctx
+
+    def reduce_gradients(self) -> None:
+        group = self.ctx.group("data")
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        if group.size == 1 or not params:
+            return
+        flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
+        comm.all_reduce(flat, group, op="avg")
+        offset = 0
+        for p in params:
+            assert p.grad is not None
+            p.grad.copy_(flat[offset : offset + p.grad.numel()].view_as(p.grad))
+            offset += p.grad.numel()

@@ -9,7 +9,8 @@ from typing import Any
 import torch.distributed as dist
 
 from tessera.config import load_config, parallel_dims
-from tessera.context import ParallelContext, ParallelDims, set_context
+from tessera.context import ParallelContext, ParallelDims
+from tessera.session import set_session
 from tessera.testing.pool import PoolSet, RankFailure, RankPool, free_port
 
 _contexts: dict[ParallelDims, ParallelContext] = {}
@@ -30,8 +31,8 @@ def use_layout(
     """Make a context for this layout current on this rank (built once per pool, then reused).
 
     Collective the first time: every rank of the pool must ask for the same layout. With
-    ``config`` (anything ``load_config`` takes) the returned context carries that config, as
-    one from ``tessera.launch`` does; its ``parallel`` section must describe the same layout.
+    ``config`` (anything ``load_config`` takes) that config becomes the current run's, as after
+    ``tessera.launch``; its ``parallel`` section must describe the same layout.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     cfg = load_config(config) if config is not None else None
@@ -48,9 +49,7 @@ def use_layout(
     if cfg is not None:
         if parallel_dims(cfg, world) != dims:
             raise ValueError(f"config layout {parallel_dims(cfg, world)} differs from the requested {dims}")
-        ctx = copy.copy(ctx)  # the cached groups, with this config
-        ctx.config = cfg
-    set_context(ctx)
+    set_session(ctx, cfg)  # tessera.initialize reads the config from the session
     return ctx
 
 

@@ -1,7 +1,8 @@
-"""Layer 3: ZeRO, the sharded optimizer over the data axis (stages 1-3, optional CPU offload)."""
+"""Layer 3: ZeRO, the sharded optimizer over the data axis (stages 1-3 as policies, optional CPU
+offload), and the strategy that trains with it."""
 
 from tessera.zero.optimizer import ZeroOptimizer
-from tessera.zero.stage3 import ZeroStage3
-from tessera.zero.wrap import zero_optimizer
+from tessera.zero.policy import ZeroOptions, ZeroPolicy
+from tessera.zero.strategy import Zero
 
-__all__ = ["ZeroOptimizer", "ZeroStage3", "zero_optimizer"]
+__all__ = ["Zero", "ZeroOptimizer", "ZeroOptions", "ZeroPolicy"]

@@ -7,8 +7,8 @@ view into its chunk. A rank owns one contiguous shard of every chunk. The user's
 kept (so learning-rate schedulers bound to it still work) but its parameter groups now hold
 *pieces*: views into this rank's fp32 master shard, one per parameter that overlaps the shard.
 Elementwise optimizers (SGD, Adam, AdamW) give exactly the single-process update this way; LAMB
-and LARS read the attributes each piece carries to compute whole-parameter norms
-(``tessera_zero_slot``, ``tessera_full_shape``; see ``tessera.optim.norms``).
+and LARS read each piece's placement (its ZeRO slot, and how the parameter it belongs to is
+split) to compute whole-parameter norms (see ``tessera.optim.norms``).
 
 - stage 1: full gradients stay on every rank until the step; then one reduce-scatter per chunk
   gives each rank the average of its shard, it steps its shard, and an all-gather refreshes the
@@ -16,7 +16,9 @@ and LARS read the attributes each piece carries to compute whole-parameter norms
 - stage 2: as each chunk's gradients are complete during the backward pass, they are copied into
   a bucket and reduce-scattered (asynchronously, overlapping the rest of the backward); only the
   shard of the gradient is kept (2P communicated).
-- stage 3: chunks are also released after use; see :mod:`tessera.zero.stage3` (3P communicated).
+- stage 3: chunks are also released after use; see :mod:`tessera.zero.release` (3P communicated).
+
+The stages are policies (:class:`~tessera.zero.policy.ZeroPolicy`) of this one optimizer.
 
 With bf16/fp16 the parameters (and their chunks) are kept in that dtype and the masters in fp32;
 in fp32 the master *is* the parameter shard. ``offload_optimizer="cpu"`` keeps masters, gradient
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -35,13 +38,14 @@ from torch import nn
 from tessera import comm
 from tessera.comm import Pending
 from tessera.context import ParallelContext
-from tessera.errors import ConfigError
+from tessera.context.placement import Placement, ZeroSlot, placement_of, set_placement, update_placement
 from tessera.memory.chunks import Chunk, ChunkStore, Slot
 from tessera.optim.host_adam import HostAdamW
+from tessera.optim.norms import global_grad_norm
+from tessera.zero.policy import ZeroOptions
+from tessera.zero.release import ReleaseOnUse
 
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# attributes a parameter may carry that its pieces must keep (how it is split, who owns it)
-_INHERITED = ("tessera_sharded_along", "tessera_pipeline_owner")
 
 
 class ZeroOptimizer:
@@ -58,22 +62,15 @@ class ZeroOptimizer:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         ctx: ParallelContext,
-        *,
-        stage: int,
-        precision: str = "fp32",
-        bucket_mb: float = 25.0,
-        overlap_comm: bool = True,
-        offload: str = "none",
+        options: ZeroOptions,
     ) -> None:
-        if stage not in (1, 2, 3):
-            raise ConfigError(f"zero.stage={stage} is not a ZeRO stage of the sharded optimizer; allowed: 1, 2, 3")
-        self.stage = stage
+        self.policy = policy = options.policy
         self.ctx = ctx
         self.group = ctx.group("data")
         self.optimizer = optimizer
-        self.overlap_comm = overlap_comm
-        self.param_dtype = PARAM_DTYPES[precision]
-        self.master_device = torch.device("cpu") if offload == "cpu" else ctx.device
+        self.overlap_comm = options.overlap_comm
+        self.param_dtype = PARAM_DTYPES[options.precision]
+        self.master_device = torch.device("cpu") if options.offload == "cpu" else ctx.device
         names = {id(p): n for n, p in model.named_parameters()}
         entries: list[tuple[str, nn.Parameter]] = []
         group_of: list[int] = []
@@ -95,23 +92,24 @@ class ZeroOptimizer:
                 p = entries[slot.index][1]
                 p.data = chunk.view(slot)  # the parameter now lives in its chunk; its old storage goes
                 self._slot_of[id(p)] = (chunk, slot)
-            if stage == 3:
+                update_placement(p, storage=self)  # full state dicts gather and load through this
+            if policy.release_parameters:
                 chunk.release()
 
         element = torch.empty((), dtype=self.param_dtype).element_size()
         self.store = ChunkStore(
             entries,
             self.group,
-            chunk_numel=max(1, int(bucket_mb * 2**20) // element),
+            chunk_numel=max(1, int(options.bucket_mb * 2**20) // element),
             dtype=self.param_dtype,
-            keep_full=stage < 3,
+            keep_full=not policy.release_parameters,
             bins=bins,
             on_close=adopt,
         )
         self._chunk_bin = {c.index: group_of[c.slots[0].index] for c in self.store.chunks}
         self._pieces: list[list[tuple[nn.Parameter, int, int]]] = []  # per chunk: (piece, start, end)
         self._install_pieces(entries, [self._make_master(c) for c in self.store.chunks])
-        if offload == "cpu" and type(optimizer) is torch.optim.AdamW:
+        if options.offload == "cpu" and type(optimizer) is torch.optim.AdamW:
             self._use_host_adamw()  # may move the pieces into flat buffers of its own
         # pieces that are not the parameter shard itself: copied into it after each step
         self._separate = any(
@@ -125,9 +123,10 @@ class ZeroOptimizer:
         self._ready: dict[int, int] = {}
         self._callback_queued = False
         self._trainable = {c.index: len(c.slots) for c in self.store.chunks}
-        if stage >= 2:
+        if policy.reduce_in_backward:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._on_grad)
+        self._release = ReleaseOnUse(model, self.store, self._slot_of) if policy.release_parameters else None
 
     # ---- construction ------------------------------------------------------------------------
     def _make_master(self, chunk: Chunk) -> torch.Tensor:
@@ -144,12 +143,11 @@ class ZeroOptimizer:
             pieces = []
             for slot, start, end in chunk.shard_pieces():
                 piece = nn.Parameter(master[start:end])
-                piece.tessera_zero_slot = (slot.index, total)  # type: ignore[attr-defined]
-                piece.tessera_full_shape = slot.shape  # type: ignore[attr-defined]
-                original = entries[slot.index][1]
-                for attr in _INHERITED:
-                    if hasattr(original, attr):
-                        setattr(piece, attr, getattr(original, attr))
+                # how the parameter is split and which stage owns it, plus the slot of the piece
+                inherited = placement_of(entries[slot.index][1])
+                set_placement(
+                    piece, replace(inherited, mesh=self.ctx, zero=ZeroSlot(slot.index, total, tuple(slot.shape)))
+                )
                 pieces.append((piece, start, end))
                 groups[self._chunk_bin[chunk.index]].append(piece)
             self._pieces.append(pieces)
@@ -158,17 +156,10 @@ class ZeroOptimizer:
         self._empty: nn.Parameter | None = None
         if not any(groups):
             self._empty = nn.Parameter(torch.zeros(0, device=self.master_device))
-            self._empty.tessera_zero_slot = (0, total)  # type: ignore[attr-defined]
-            self._empty.tessera_full_shape = entries[0][1].shape  # type: ignore[attr-defined]
+            set_placement(self._empty, Placement(mesh=self.ctx, zero=ZeroSlot(0, total, tuple(entries[0][1].shape))))
             groups[0].append(self._empty)
-        # What the gradient norm needs of every parameter (the same on every data rank): the
-        # tensor axes it is split along, and whether this pipeline stage counts it.
-        stage = self.ctx.local_rank("pipeline")
-        self._norm_axes: dict[tuple[str, ...], list[int]] = {}
-        for index, (_, p) in enumerate(entries):
-            owner = getattr(p, "tessera_pipeline_owner", None)
-            if owner is None or owner == stage:
-                self._norm_axes.setdefault(tuple(getattr(p, "tessera_sharded_along", ())), []).append(index)
+        # What the gradient norm needs of every parameter (the same on every data rank).
+        self._slot_placements = [placement_of(p) for _, p in entries]
         self.optimizer.state.clear()
         for group, params in zip(self.optimizer.param_groups, groups):
             group["params"] = params
@@ -264,7 +255,9 @@ class ZeroOptimizer:
         self.after_reduce(chunk)
 
     def after_reduce(self, chunk: Chunk) -> None:
-        """Hook for stage 3: the chunk's gradients are complete (its parameters may go)."""
+        """The chunk's gradients are complete: its parameters may go (when they are released)."""
+        if self._release is not None:
+            chunk.release()
 
     def _drain(self, keep: int = 0) -> None:
         """Wait for the reduce-scatters in flight (all but the newest ``keep``) and add their
@@ -292,7 +285,7 @@ class ZeroOptimizer:
         """After the step's last backward: make each piece's ``.grad`` the data-parallel average
         of its gradient (fp32, on the master device). Stage 1 reduces here; stages 2 and 3 have
         reduced during the backward passes."""
-        if self.stage == 1:
+        if not self.policy.reduce_in_backward:
             self._reduce_full_gradients()
         if self._empty is not None:
             self._empty.grad = torch.zeros_like(self._empty)
@@ -312,29 +305,9 @@ class ZeroOptimizer:
 
     def grad_norm(self) -> torch.Tensor:
         """The 2-norm of the whole model's gradient from the pieces' gradients (after
-        :meth:`reduce_gradients`): squared norms per parameter are summed over the data axis,
-        then over the tensor axes that split each parameter and over pipeline stages. Every
-        rank makes the same collectives whatever its shard holds."""
-        device = self.ctx.device
-        per_param = torch.zeros(len(self.params), dtype=torch.float32, device=device)
-        index, grads = [], []
-        for pieces in self._pieces:
-            for piece, _, _ in pieces:
-                if piece.grad is not None:
-                    index.append(piece.tessera_zero_slot[0])  # type: ignore[attr-defined]
-                    grads.append(piece.grad)
-        if grads:
-            squares = torch.stack([n.float() for n in torch._foreach_norm(grads, 2.0)]).pow(2).to(device)
-            per_param.index_add_(0, torch.tensor(index, device=device), squares)
-        comm.all_reduce(per_param, self.group)
-        total = torch.zeros((), dtype=torch.float32, device=device)
-        for axes, members in sorted(self._norm_axes.items()):
-            part = per_param[members].sum()
-            for axis in axes:
-                comm.all_reduce(part, self.ctx.group(axis))
-            total = total + part
-        comm.all_reduce(total, self.ctx.group("pipeline"))
-        return total.sqrt()
+        :meth:`reduce_gradients`); every rank makes the same collectives whatever its shard holds."""
+        pieces = [piece for pieces in self._pieces for piece, _, _ in pieces]
+        return global_grad_norm(pieces, self.ctx, zero_slots=self._slot_placements)
 
     def _reduce_full_gradients(self) -> None:
         pending: list[tuple[Chunk, Pending, torch.Tensor]] = []
@@ -361,10 +334,10 @@ class ZeroOptimizer:
     def memory_parts(self) -> dict[str, list[torch.Tensor]]:
         """The model-state tensors this rank holds, by kind (for ``tessera.memory.report``)."""
         params: list[torch.Tensor] = [p for p in self.params if p.untyped_storage().nbytes() > 0]
-        if self.stage == 3:
+        if self.policy.release_parameters:
             params += [c.shard for c in self.store.chunks]
         grads = [p.grad for p in self.params if p.grad is not None]
-        grads += [g for g in self.grad_shards if g is not None and self.stage >= 2]
+        grads += [g for g in self.grad_shards if g is not None and self.policy.reduce_in_backward]
         states = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         if self._separate:  # fp32 masters kept apart from the parameter shards
             states += [piece for pieces in self._pieces for piece, _, _ in pieces]
@@ -372,8 +345,8 @@ class ZeroOptimizer:
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
-        """Every parameter readable inside the block (stage 3 gathers and releases again)."""
-        with self.store.gathered() if self.stage == 3 else nullcontext():
+        """Every parameter readable inside the block (released chunks are gathered, then released again)."""
+        with self.store.gathered() if self.policy.release_parameters else nullcontext():
             yield
 
     def params_loaded(self) -> None:

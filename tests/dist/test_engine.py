@@ -61,7 +61,7 @@ def reference_run(
 def body_train(config: dict, steps: int = STEPS, optimizer: str = "adamw"):
     """Train with tessera on every rank; the per-rank micro-batch keeps the global batch fixed."""
     ctx = use_layout(config=config)
-    accumulation = ctx.config.gradient_accumulation
+    accumulation = tessera.current_config().gradient_accumulation
     micro = GLOBAL_BATCH // (ctx.size("data") * accumulation)
     model = make_model()
     opt = make_optimizer(model, optimizer)

@@ -14,6 +14,7 @@ import tessera
 from tessera import comm
 from tessera.checkpoint import full_state_dict
 from tessera.comm.group import single_rank_group
+from tessera.context.placement import Placement, ShardSpec, ZeroSlot, placement_of, set_placement
 from tessera.models import NextTokenLoss, gpt
 from tessera.optim import LAMB, LARS, whole_sq_norms
 from tessera.testing import use_layout
@@ -74,8 +75,7 @@ def body_pieces(name: str, local_norms: bool) -> list[torch.Tensor] | tuple[list
         if end == start:
             continue  # this rank holds nothing of this parameter
         piece = nn.Parameter(p.detach().flatten()[start:end].clone())
-        piece.tessera_zero_slot = (slot, len(full))  # type: ignore[attr-defined]
-        piece.tessera_full_shape = p.shape  # type: ignore[attr-defined]
+        set_placement(piece, Placement(zero=ZeroSlot(slot, len(full), tuple(p.shape))))
         pieces.append(piece)
         ranges.append((slot, start, end))
     # local_norms: a context with no ranks to sum over, to show that the test tells the difference
@@ -132,9 +132,9 @@ def body_whole_sq_norms() -> dict[int, list[float]]:
         if end == start:
             continue  # the second data rank holds nothing of the one-element tensor
         piece = block.flatten()[start:end].clone()
-        piece.tessera_zero_slot = (slot, len(entries))  # type: ignore[attr-defined]
-        if split:
-            piece.tessera_sharded_along = ("tensor",)  # type: ignore[attr-defined]
+        # a 1-D piece of a block split along the tensor axis
+        shard = ShardSpec(tuple(full.shape), (("tensor",),) + ((),) * (full.dim() - 1)) if split else None
+        set_placement(piece, Placement(shard=shard, zero=ZeroSlot(slot, len(entries), tuple(block.shape))))
         tensors.append(piece)
         params.append(piece)
         slots.append(slot)
@@ -183,7 +183,7 @@ def train_gpt(name: str, data: int | None, tensor: int):
     engine, loader, _, _ = tessera.initialize(model, optimizer, NextTokenLoss(), loader)
     it = iter(loader)
     losses = [engine.train_batch(it) for _ in range(TP_STEPS)]
-    sharded = sum(1 for p in model.parameters() if getattr(p, "tessera_sharded_along", ()))
+    sharded = sum(1 for p in model.parameters() if placement_of(p).split_axes)
     return losses, full_state_dict(model), sharded
 
 

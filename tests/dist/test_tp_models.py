@@ -13,7 +13,7 @@ from tessera import nn as tnn
 from tessera.checkpoint import full_state_dict
 from tessera.memory import model_state_bytes
 from tessera.models import NextTokenLoss, gpt, vit
-from tessera.parallel.tensor.common import gather_full
+from tessera.parallel.tensor.common import gather_full, spec_of
 from tessera.testing import use_layout
 
 STEPS = 20
@@ -110,7 +110,7 @@ def body_big_vocab_loss(layout: dict | None):
     loss = NextTokenLoss()(model(tokens[:, :-1]), tokens[:, 1:])
     loss.backward()
     weight = model.tok_emb.weight  # tied: the gradient sums the embedding's and the head's
-    spec = getattr(weight, "tessera_shard", None)
+    spec = spec_of(weight)
     grad = gather_full(weight.grad, spec, ctx) if spec is not None else weight.grad
     return float(loss.detach()), ctx.rank, tuple(weight.shape), grad
 

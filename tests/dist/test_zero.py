@@ -51,7 +51,7 @@ def train(config: dict, steps: int = STEPS):
     model = build()  # under the layout: tensor-parallel layers take their blocks of the full weights
     # eps above rounding noise: attention's key bias has an exactly-zero gradient (see test_tp_models)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
-    micro = GLOBAL_BATCH // (ctx.size("data") * ctx.config.gradient_accumulation)
+    micro = GLOBAL_BATCH // (ctx.size("data") * tessera.current_config().gradient_accumulation)
     loader = DataLoader(dataset(), batch_size=micro)
     engine, loader, _, _ = tessera.initialize(model, optimizer, NextTokenLoss(), loader)
     it = iter(loader)

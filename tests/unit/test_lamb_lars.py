@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from tessera.context import set_context
+from tessera.context.placement import Placement, ShardSpec, ZeroSlot, set_placement
 from tessera.optim import LAMB, LARS, whole_sq_norms
 from tessera.optim.lamb import default_exclude
 from tessera.testing import use_layout
@@ -134,7 +135,7 @@ def test_param_groups_keep_their_own_hyperparameters():
 def test_exclusion_rule_and_override():
     weight = torch.zeros(4, 4)
     piece_of_matrix = torch.zeros(3)
-    piece_of_matrix.tessera_full_shape = torch.Size([4, 4])  # type: ignore[attr-defined]
+    set_placement(piece_of_matrix, Placement(zero=ZeroSlot(0, 1, (4, 4))))
     assert default_exclude(torch.zeros(4)) and default_exclude(torch.zeros(())) and not default_exclude(weight)
     assert not default_exclude(piece_of_matrix), "a 1-D piece of a matrix is adapted"
     # Excluding everything turns LAMB into AdamW and LARS into SGD with momentum (no weight decay).
@@ -237,8 +238,8 @@ def test_whole_sq_norms_without_ranks_are_the_local_squared_norms():
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randn(4, 3, generator=g), torch.zeros(0), torch.randn(7, generator=g).bfloat16()]
     params = [torch.empty(4, 3), torch.empty(0), torch.empty(7)]
-    params[0].tessera_sharded_along = ("tensor",)  # type: ignore[attr-defined]
-    params[2].tessera_zero_slot = (1, 2)  # type: ignore[attr-defined]
+    set_placement(params[0], Placement(shard=ShardSpec((4, 3), (("tensor",), ()))))
+    set_placement(params[2], Placement(zero=ZeroSlot(1, 2, (7,))))
     expected = torch.tensor([float(t.double().pow(2).sum()) for t in tensors])
     got = whole_sq_norms(tensors, params, None)
     assert got.dtype == torch.float32 and got.shape == (3,)

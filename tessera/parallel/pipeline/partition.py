@@ -25,6 +25,7 @@ from typing import Any, TypeAlias
 import torch
 from torch import nn
 
+from tessera.context.placement import full_numel
 from tessera.errors import TesseraError
 
 METHODS = ("uniform", "parameters", "time", "explicit")
@@ -123,8 +124,7 @@ def uniform(num_layers: int, parts: int) -> list[int]:
 
 def _numel(param: torch.Tensor) -> int:
     # A tensor-parallel shard counts as its full parameter, so a cut does not depend on the layout.
-    shard = getattr(param, "tessera_shard", None)
-    return math.prod(shard.full_shape) if shard is not None else param.numel()
+    return full_numel(param)
 
 
 def parameter_counts(layers: Layers) -> list[int]:

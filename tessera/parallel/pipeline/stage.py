@@ -3,8 +3,8 @@ work a pipeline step needs beyond the schedule (parameters shared across stages,
 averaging).
 
 Every rank builds the whole model (same seed, same weights) and keeps training only the chunks
-it holds; each parameter records the pipeline rank that owns it (``tessera_pipeline_owner``),
-which is where ``full_state_dict`` fetches it from. A parameter used by chunks on several ranks
+it holds; each parameter's placement records the pipeline rank that owns it (``stage``), which
+is where ``full_state_dict`` fetches it from. A parameter used by chunks on several ranks
 (a GPT's embedding tied to its output head) is kept equal everywhere by summing its gradient
 over the pipeline group before the optimizer step.
 """
@@ -12,6 +12,7 @@ over the pipeline group before the optimizer step.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 
 from tessera import comm
 from tessera.context import ParallelContext
+from tessera.context.placement import placement_of, update_placement
 from tessera.errors import ConfigError
 from tessera.parallel.pipeline.partition import blocks_of, chunk_ranges, chunks_of_rank, partition
 from tessera.parallel.pipeline.runtime import PipelineRuntime, build_chunks
@@ -33,6 +35,19 @@ def pipeline_layers(model: nn.Module) -> Sequence[nn.Module]:
     if callable(method):
         return list(method())
     return list(blocks_of(model))
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """How to cut and run the pipeline (built from the config's ``parallel.pipeline``):
+    ``schedule`` (gpipe, 1f1b, interleaved, zero_bubble), ``microbatches`` per step (None: one per
+    stage), model ``chunks`` per rank, the ``partition`` method and its explicit ``boundaries``."""
+
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+    chunks: int = 1
+    partition: str = "parameters"
+    boundaries: tuple[int, ...] | None = None
 
 
 class PipelineStage:
@@ -59,6 +74,7 @@ class PipelineStage:
             )
         self.boundaries = partition(layers, parts, method, boundaries=boundaries)
         self.stage = ctx.local_rank("pipeline")
+        self.schedule = schedule
         self.microbatches = microbatches
         self.ctx = ctx
         chunk_ids = chunks_of_rank(self.stage, p, chunks_per_rank)
@@ -77,8 +93,13 @@ class PipelineStage:
                     owners.setdefault(id(param), set()).add(chunk % p)
                     params[id(param)] = param
         for key, param in params.items():
-            param.tessera_pipeline_owner = min(owners[key])  # type: ignore[attr-defined]
+            update_placement(param, stage=min(owners[key]), tied=len(owners[key]) > 1, mesh=self._mesh(param))
         return [params[key] for key in params if len(owners[key]) > 1]
+
+    def _mesh(self, param: nn.Parameter) -> ParallelContext:
+        """The context a parameter's placement names: the one that split it, else this stage's."""
+        mesh = placement_of(param).mesh
+        return mesh if mesh is not None else self.ctx
 
     @property
     def parameters(self) -> list[nn.Parameter]:

@@ -1,14 +1,14 @@
 """Building blocks shared by every tensor-parallel mode: how a full tensor maps onto shards.
 
-A :class:`ShardSpec` says, for each dimension of a parameter (or activation), which mesh axes
+A :class:`~tessera.context.placement.ShardSpec` says, for each dimension of a parameter (or activation), which mesh axes
 split it. A dimension split by axes ``(a, b)`` is cut into ``size(a) * size(b)`` equal blocks
 (after zero-padding it to a multiple of that count, or of ``pad_to[d]`` where given), and the
 rank holds block ``index(a) * size(b) + index(b)``. A dimension may hold ``groups`` fused parts
 (the q, k and v projections of attention, say): each part is padded and split on its own, so
 every rank holds its block of every part, side by side.
 
-Parameters made by :func:`shard_parameter` carry their spec (``param.tessera_shard``) and the
-axes that split them (``param.tessera_sharded_along``), which is all that
+Parameters made by :func:`shard_parameter` record their spec and the context that split them in
+their placement (``tessera.context.placement``), which is all that
 ``tessera.checkpoint.full_state_dict`` and the global gradient norm need.
 """
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,74 +25,8 @@ from torch import nn
 from tessera import comm
 from tessera.comm import AxisGroup
 from tessera.context import ParallelContext
-
-
-def divide(numerator: int, denominator: int, what: str) -> int:
-    """``numerator / denominator``, which must be exact."""
-    if numerator % denominator != 0:
-        raise ValueError(f"{what}: {numerator} is not divisible by {denominator}")
-    return numerator // denominator
-
-
-def round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """How a tensor of ``full_shape`` is split: ``dims[d]`` are the axes splitting dimension ``d``
-    (outermost first; empty: not split), ``groups[d]`` the fused parts of dimension ``d``, and
-    ``pad_to[d]`` (0: the number of parts) the multiple each part of a split dimension is
-    zero-padded to; it must be a multiple of the number of parts (3D pads a dimension split q
-    ways to a multiple of q^2, so that its blocks are unions of another dimension's q^2 blocks)."""
-
-    full_shape: tuple[int, ...]
-    dims: tuple[tuple[str, ...], ...]
-    groups: tuple[int, ...] = ()
-    pad_to: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if len(self.dims) != len(self.full_shape):
-            raise ValueError(f"ShardSpec: {len(self.dims)} dim entries for shape {self.full_shape}")
-        if not self.groups:
-            object.__setattr__(self, "groups", (1,) * len(self.full_shape))
-        if not self.pad_to:
-            object.__setattr__(self, "pad_to", (0,) * len(self.full_shape))
-        for size, g in zip(self.full_shape, self.groups, strict=True):
-            divide(size, g, "ShardSpec: fused parts of a dimension")
-        if len(self.pad_to) != len(self.full_shape):
-            raise ValueError(f"ShardSpec: {len(self.pad_to)} pad_to entries for shape {self.full_shape}")
-        for axes, multiple in zip(self.dims, self.pad_to, strict=True):
-            if multiple < 0 or (multiple and not axes):
-                raise ValueError(f"ShardSpec: pad_to {self.pad_to} must be >= 0, and 0 on dimensions not split")
-
-    @property
-    def axes(self) -> tuple[str, ...]:
-        """Every axis that splits some dimension."""
-        return tuple(dict.fromkeys(a for axes in self.dims for a in axes))
-
-    def parts(self, dim: int, ctx: ParallelContext) -> int:
-        return math.prod(ctx.size(a) for a in self.dims[dim])
-
-    def index(self, dim: int, ctx: ParallelContext) -> int:
-        index = 0
-        for axis in self.dims[dim]:
-            index = index * ctx.size(axis) + ctx.local_rank(axis)
-        return index
-
-    def multiple(self, dim: int, ctx: ParallelContext) -> int:
-        """What each part of dimension ``dim`` is padded to a multiple of."""
-        parts = self.parts(dim, ctx)
-        multiple = self.pad_to[dim] or parts
-        divide(multiple, parts, f"ShardSpec: pad_to of dimension {dim}")
-        return multiple
-
-    def padded_size(self, dim: int, ctx: ParallelContext) -> int:
-        per_group = self.full_shape[dim] // self.groups[dim]
-        return self.groups[dim] * round_up(per_group, self.multiple(dim, ctx))
-
-    def local_shape(self, ctx: ParallelContext) -> tuple[int, ...]:
-        return tuple(self.padded_size(d, ctx) // self.parts(d, ctx) for d in range(len(self.full_shape)))
+from tessera.context.placement import Placement, ShardSpec, placement_of, round_up, set_placement
+from tessera.context.placement import divide as divide  # re-exported for the modes
 
 
 def local_shard(full: torch.Tensor, spec: ShardSpec, ctx: ParallelContext) -> torch.Tensor:
@@ -135,8 +68,7 @@ def gather_full(local: torch.Tensor, spec: ShardSpec, ctx: ParallelContext) -> t
 def shard_parameter(full: torch.Tensor, spec: ShardSpec, ctx: ParallelContext) -> nn.Parameter:
     """A parameter holding this rank's block of ``full``, tagged with its spec."""
     param = nn.Parameter(local_shard(full.detach(), spec, ctx))
-    param.tessera_shard = spec  # type: ignore[attr-defined]
-    param.tessera_sharded_along = spec.axes  # type: ignore[attr-defined]
+    set_placement(param, Placement(shard=spec, mesh=ctx))
     return param
 
 
@@ -146,7 +78,8 @@ def sharded_zeros_like_spec(spec: ShardSpec, ctx: ParallelContext, dtype: torch.
 
 
 def spec_of(tensor: torch.Tensor) -> ShardSpec | None:
-    return getattr(tensor, "tessera_shard", None)
+    """How ``tensor`` is split by tensor parallelism (None: held whole)."""
+    return placement_of(tensor).shard
 
 
 def axis_sizes(ctx: ParallelContext, axes: Sequence[str]) -> int:

@@ -1,4 +1,4 @@
-"""ZeRO stage 3: parameters too are sharded; each chunk is gathered just before a module that
+"""ZeRO's parameter release (stage 3): parameters too are sharded; each chunk is gathered just before a module that
 uses it runs (forward or backward) and released after.
 
 Forward: a module's pre-hook gathers the chunks of its own parameters and starts gathering those
@@ -19,15 +19,17 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from tessera.memory.chunks import Chunk, ChunkState
-from tessera.zero.optimizer import ZeroOptimizer
+from tessera.memory.chunks import Chunk, ChunkState, ChunkStore, Slot
 
 
-class ZeroStage3(ZeroOptimizer):
-    """Stage 3 of :class:`ZeroOptimizer`: also installs the gather/release hooks on ``model``."""
+class ReleaseOnUse:
+    """Gather/release hooks on ``model`` for the chunks of ``store`` (``slot_of``: a parameter's
+    id to its chunk and slot). The sharded optimizer releases a chunk once its gradients are
+    reduced; the hooks gather it again when a module needs it."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: Any, **options: Any) -> None:
-        super().__init__(model, optimizer, ctx, stage=3, **options)
+    def __init__(self, model: nn.Module, store: ChunkStore, slot_of: dict[int, tuple[Chunk, Slot]]) -> None:
+        self.store = store
+        self._slot_of = slot_of
         self._users: dict[int, int] = {}  # chunk index -> modules that use it directly
         self._left: dict[int, int] = {}  # per pass: users that have not run yet
         self._calls: list[list[Chunk]] = []  # the chunks of each module call of the first forward, in order
@@ -114,9 +116,6 @@ class ZeroStage3(ZeroOptimizer):
 
         for t in tensors:
             t.register_hook(before_backward)
-
-    def after_reduce(self, chunk: Chunk) -> None:
-        chunk.release()  # all of its parameters have their gradients
 
     def _end_backward(self) -> None:
         self._backward_queued = False

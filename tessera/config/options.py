@@ -1,0 +1,54 @@
+"""The top layer's translation of a config into the small typed options the layers below take
+(they never read the config itself)."""
+
+from __future__ import annotations
+
+from tessera.config.schema import Config
+from tessera.engine.options import LossScaleOptions, TrainingOptions
+from tessera.parallel.pipeline.stage import PipelineOptions
+from tessera.zero.policy import ZeroOptions, ZeroPolicy
+
+
+def training_options(config: Config) -> TrainingOptions:
+    """What ``initialize`` and the engine need of ``config``."""
+    mp = config.mixed_precision
+    loss_scale = None
+    if mp.dtype == "fp16":
+        dynamic = mp.loss_scale == "dynamic"
+        loss_scale = LossScaleOptions(
+            initial_scale=mp.initial_scale if dynamic else float(mp.loss_scale),
+            dynamic=dynamic,
+            growth_interval=mp.growth_interval,
+            growth_factor=mp.growth_factor,
+            backoff_factor=mp.backoff_factor,
+            min_scale=mp.min_scale,
+        )
+    z = config.zero
+    zero = (
+        ZeroOptions(
+            policy=ZeroPolicy.for_stage(z.stage),
+            precision=mp.dtype,
+            bucket_mb=z.bucket_mb,
+            overlap_comm=z.overlap_comm,
+            offload=z.offload_optimizer,
+        )
+        if z.stage > 0
+        else None
+    )
+    pp = config.parallel.pipeline
+    pipeline = PipelineOptions(
+        schedule=pp.schedule,
+        microbatches=pp.microbatches,
+        chunks=pp.chunks,
+        partition=pp.partition,
+        boundaries=tuple(pp.boundaries) if pp.boundaries is not None else None,
+    )
+    return TrainingOptions(
+        precision=mp.dtype,
+        loss_scale=loss_scale,
+        gradient_accumulation=config.gradient_accumulation,
+        clip_grad_norm=config.clip_grad_norm,
+        zero=zero,
+        pipeline=pipeline,
+        seed=config.seed,
+    )

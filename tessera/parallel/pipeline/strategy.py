@@ -1,0 +1,89 @@
+"""Pipeline parallelism as a training strategy: a step runs the rank's schedule over all its
+micro-batches; the gradients then meet over the data axis through an inner strategy (one
+all-reduce for replicated optimizers, or ZeRO-1's reduce-scatter)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from tessera import comm
+from tessera.context.placement import ReleasableStorage, placement_of
+from tessera.errors import TesseraError
+from tessera.parallel.pipeline.stage import PipelineStage
+from tessera.parallel.strategy import Strategy
+
+
+class PipelineParallel(Strategy):
+    """This rank's pipeline ``stage``; ``gradients`` (a strategy over the same module) reduces,
+    clips and steps what the schedule's backward passes leave."""
+
+    def __init__(self, stage: PipelineStage, gradients: Strategy) -> None:
+        self.stage = stage
+        self.gradients = gradients
+        self.module = self.model = gradients.module
+        self.optimizer = gradients.optimizer
+        self.ctx = gradients.ctx
+        self.scheduled_microbatches = stage.microbatches
+        self.name = f"pipeline({stage.schedule})+{gradients.name}"
+        self._weights_stale = True  # other stages' weights changed since the last sync
+
+    def forward(self, *args: Any, final: bool = True, **kwargs: Any) -> Any:
+        """The whole model on this rank, for evaluation under ``no_grad`` (every stage's current
+        weights are fetched first, once per step)."""
+        if torch.is_grad_enabled():
+            raise TesseraError(
+                "with pipeline stages the engine trains whole steps: call engine.train_batch(data_iter) "
+                "(each item one micro-batch of (inputs, targets)); engine(x) is for evaluation under no_grad"
+            )
+        self._sync_weights()
+        return self.module(*args, **kwargs)
+
+    def run_schedule(self, batches: Sequence[tuple[Any, Any]], criterion: Callable[..., torch.Tensor]) -> float:
+        return self.stage.step(batches)
+
+    def _sync_weights(self) -> None:
+        """Give every rank the current weights of every stage: each parameter is broadcast from
+        the stage that trains it (collective over the pipeline axis)."""
+        if not self._weights_stale:
+            return
+        unique = {id(p): p for p in self.module.parameters()}.values()
+        storages: dict[int, ReleasableStorage] = {}
+        with torch.no_grad():
+            for p in unique:
+                placement = placement_of(p)
+                if placement.stage is not None:
+                    comm.broadcast(p.data, self.ctx.group("pipeline"), src=placement.stage)
+                if placement.storage is not None:
+                    storages.setdefault(id(placement.storage), placement.storage)
+            for storage in storages.values():
+                storage.params_loaded()  # sharded copies (ZeRO-1) follow the received values
+        self._weights_stale = False
+
+    # ---- the rest is the inner strategy's ----------------------------------------------------
+    def reduce_gradients(self) -> None:
+        self.gradients.reduce_gradients()
+
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        return self.gradients.gradient_tensors()
+
+    def grad_norm(self) -> torch.Tensor:
+        return self.gradients.grad_norm()
+
+    def step(self) -> None:
+        self.gradients.step()
+        self._weights_stale = True
+
+    def zero_grad(self) -> None:
+        self.gradients.zero_grad()
+
+    def memory_parts(self) -> dict[str, list[torch.Tensor]] | None:
+        return self.gradients.memory_parts()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.gradients.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.gradients.load_state_dict(state)

@@ -1,0 +1,95 @@
+"""The gradient/optimizer strategy: the one interface through which a layout trains.
+
+``initialize`` picks one strategy from the layout (plain data parallelism over DDP, ZeRO with a
+stage's policy, a pipeline with or without ZeRO-1; Gemini will be another). The engine,
+clipping and checkpoints call only these methods and never ask which strategy they hold, so a
+new strategy is a new subclass, not new branches. ``docs/architecture.md`` walks through writing
+one.
+
+A training step, as the engine drives it::
+
+    strategy.zero_grad()
+    for each micro-batch:                   # or strategy.run_schedule(batches, criterion)
+        loss = criterion(strategy.forward(x, final=...), y); loss.backward()
+    strategy.reduce_gradients()             # gradients now as single-process training has them
+    grads of strategy.gradient_tensors()    # unscaled (fp16) and clipped by the engine
+    strategy.grad_norm()                    # the whole model's gradient norm
+    strategy.step()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from tessera.context import ParallelContext
+from tessera.errors import TesseraError
+from tessera.optim.norms import global_grad_norm
+
+
+class Strategy:
+    """How one layout runs forward, brings gradients together, steps and saves.
+
+    Attributes every strategy sets: ``module`` (the user's model, whose state-dict keys are the
+    single-process ones), ``model`` (what a forward pass calls: ``module`` or a wrapper of it),
+    ``optimizer`` (what schedulers and users see: the user's optimizer or a sharded one behaving
+    like it) and ``ctx``.
+    """
+
+    module: nn.Module
+    model: nn.Module
+    optimizer: Any
+    ctx: ParallelContext
+    #: a short description for logs (``"ddp"``, ``"zero2"``, ``"pipeline(1f1b)+zero1"``)
+    name: str = "strategy"
+
+    #: micro-batches a step runs through a schedule (pipelines); None when the engine feeds
+    #: micro-batches one by one (gradient accumulation).
+    scheduled_microbatches: int | None = None
+
+    # ---- forward and backward ----------------------------------------------------------------
+    def forward(self, *args: Any, final: bool = True, **kwargs: Any) -> Any:
+        """One forward pass; ``final``: whether its backward ends the step's accumulation (so
+        gradients may be reduced during it)."""
+        return self.model(*args, **kwargs)
+
+    def run_schedule(self, batches: Sequence[tuple[Any, Any]], criterion: Callable[..., torch.Tensor]) -> float:
+        """Forward and backward of a whole step over ``batches`` through a schedule; returns the
+        step's mean loss. Only strategies with ``scheduled_microbatches`` run schedules."""
+        raise TesseraError(f"{type(self).__name__} does not run whole-step schedules")
+
+    # ---- gradients and the step --------------------------------------------------------------
+    def reduce_gradients(self) -> None:
+        """After the step's last backward: make the gradients of :meth:`gradient_tensors` what
+        single-process training would hold (averaged over the data axis). Default: nothing
+        left to do (reduced during the backward pass)."""
+
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        """The tensors whose ``.grad`` the step reads: the engine unscales and clips these."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def grad_norm(self) -> torch.Tensor:
+        """The 2-norm of the whole model's gradient, each parameter counted once (collective)."""
+        return global_grad_norm(self.gradient_tensors(), self.ctx)
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # ---- memory and state --------------------------------------------------------------------
+    def memory_parts(self) -> dict[str, list[torch.Tensor]] | None:
+        """The model-state tensors this rank holds by kind (``parameters``, ``gradients``,
+        ``optimizer_states``), or None when they are simply the module's and the optimizer's."""
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state, as a checkpoint must save it (a shard for sharded ones)."""
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])

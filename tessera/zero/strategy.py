@@ -1,0 +1,36 @@
+"""ZeRO as a training strategy: the sharded optimizer reduces the gradients itself
+(reduce-scatter over the data axis), so the model is not wrapped in DDP."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessera.context import ParallelContext
+from tessera.parallel.strategy import Strategy
+from tessera.zero.optimizer import ZeroOptimizer
+from tessera.zero.policy import ZeroOptions
+
+
+class Zero(Strategy):
+    """``optimizer`` sharded over ``ctx``'s data axis per ``options``; ``module``'s parameters
+    move into the chunk store (and to the mixed-precision dtype). Full state dicts gather and
+    load through the parameters' placements, which name the store."""
+
+    def __init__(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext, options: ZeroOptions
+    ) -> None:
+        self.module = self.model = module
+        self.ctx = ctx
+        self.sharded = ZeroOptimizer(module, optimizer, ctx, options)
+        self.optimizer = self.sharded
+        self.name = f"zero{options.policy.stage}"
+
+    def reduce_gradients(self) -> None:
+        self.sharded.reduce_gradients()  # each rank now holds the average of its shard
+
+    def grad_norm(self) -> torch.Tensor:
+        return self.sharded.grad_norm()
+
+    def memory_parts(self) -> dict[str, list[torch.Tensor]]:
+        return self.sharded.memory_parts()
