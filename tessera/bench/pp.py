@@ -9,19 +9,31 @@ same seed and run in the same pool in alternating blocks of steps (ABAB, then BA
 timed between barriers; a block's time is its slowest rank's, the value is the median over
 blocks of the time per step. An informational row gives the bubble each schedule predicts
 (``simulate`` with unit costs F=B=W=1) against GPipe's.
+
+The measured bubble (GPipe and 1F1B): ``PipelineRuntime.run(..., measure=True)`` on stages that
+sleep one unit in the forward and two in the backward (:class:`SleepStage`: costs F = 1, BW = 2
+whatever the load, with trivial real compute), ``bubble_microbatches`` micro-batches, one rank
+per stage; the bubble of a step is ``1 - sum(busy) / (p * slowest rank's step time)`` and the
+value is the least over ``bubble_repeats`` steps (overheads only add idle time), against the
+idle fraction ``simulate`` predicts for the same costs.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from tessera.bench.report import Row, print_rows, write_rows
 from tessera.bench.timing import alternate
+
+if TYPE_CHECKING:
+    from tessera.context import ParallelContext
+    from tessera.parallel.pipeline.runtime import PipelineRuntime
 
 CLASSES = 10
 
@@ -105,6 +117,80 @@ def _rank_body(
     return alternate({"tessera": tessera_block, "torch": torch_block}, blocks, steps, world)
 
 
+class _Sleep(torch.autograd.Function):
+    """``x * w`` whose forward sleeps ``unit_s`` and backward ``2 * unit_s``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, unit_s: float) -> torch.Tensor:
+        time.sleep(unit_s)
+        ctx.save_for_backward(x, w)
+        ctx.unit_s = unit_s
+        return x * w
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        time.sleep(2 * ctx.unit_s)
+        x, w = ctx.saved_tensors
+        return grad * w, (grad * x).sum(), None
+
+
+class SleepStage(nn.Module):
+    """A pipeline stage of known cost: forward one ``unit_s``, backward two, trivial compute."""
+
+    def __init__(self, unit_s: float) -> None:
+        super().__init__()
+        self.unit_s = unit_s
+        self.w = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _Sleep.apply(x, self.w, self.unit_s)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+
+def _sum_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return out.sum()
+
+
+def sleep_runtime(ctx: ParallelContext, schedule: str, m: int, unit_s: float) -> PipelineRuntime:
+    """This rank's runtime of ``schedule`` over ``m`` micro-batches on one :class:`SleepStage`
+    per rank of ``ctx``'s pipeline group, loss ``sum``. Feed it ``m`` tensors of any shape as
+    inputs and as targets."""
+    from tessera.parallel.pipeline import build_schedule
+    from tessera.parallel.pipeline.partition import chunks_of_rank, uniform
+    from tessera.parallel.pipeline.runtime import PipelineRuntime, build_chunks
+
+    group, rank, p = ctx.group("pipeline"), ctx.local_rank("pipeline"), ctx.dims.pipeline
+    chunks = build_chunks([SleepStage(unit_s) for _ in range(p)], uniform(p, p), chunks_of_rank(rank, p, 1))
+    return PipelineRuntime(chunks, build_schedule(schedule, p, m)[rank], p, _sum_loss, group)
+
+
+def _bubble_body(schedule: str, m: int, unit_s: float, repeats: int) -> list[tuple[float, float]]:
+    """``(busy_s, step_s)`` of this rank in each of ``repeats`` measured steps of :func:`sleep_runtime`."""
+    from tessera.testing import use_layout
+
+    runtime = sleep_runtime(use_layout(pipeline=torch.distributed.get_world_size()), schedule, m, unit_s)
+    inputs = [torch.ones(2, 2) for _ in range(m)]
+    runtime.run(inputs, inputs)  # warm-up: the first step also exchanges shape headers
+    out = []
+    for _ in range(repeats):
+        runtime.run(inputs, inputs, measure=True)
+        assert runtime.last_measure is not None
+        out.append((runtime.last_measure.busy_s, runtime.last_measure.step_s))
+    return out
+
+
+def measured_bubble(per_rank: list[list[tuple[float, float]]]) -> float:
+    """The least bubble over the repeats of :func:`_bubble_body`'s per-rank results:
+    ``1 - sum(busy) / (p * slowest step)``."""
+    p = len(per_rank)
+    bubbles = []
+    for repeat in zip(*per_rank, strict=True):
+        busy, step = sum(b for b, _ in repeat), max(s for _, s in repeat)
+        bubbles.append(1 - busy / (p * step))
+    return min(bubbles)
+
+
 def predicted_bubble(schedule: str, p: int, m: int) -> float:
     """The idle fraction ``simulate`` predicts for ``schedule`` on ``p`` ranks, unit costs."""
     from tessera.parallel.pipeline import build_schedule, simulate
@@ -122,6 +208,9 @@ def run(
     microbatches: int = 8,
     blocks: int = 12,
     steps: int = 3,
+    bubble_microbatches: int = 4,
+    bubble_unit_s: float = 0.05,
+    bubble_repeats: int = 3,
 ) -> list[Row]:
     from tessera.testing import RankPool
 
@@ -140,6 +229,18 @@ def run(
                 bubble = predicted_bubble(schedule, world_size, microbatches)
                 gpipe = predicted_bubble("gpipe", world_size, microbatches)
                 rows.append(Row(name, "bubble_pred", bubble, "gpipe prediction", gpipe))
+                if schedule in ("gpipe", "1f1b"):  # stages of a whole backward (SleepStage cannot split B and W)
+                    m = bubble_microbatches
+                    per_rank = pool.run(_bubble_body, schedule, m, bubble_unit_s, bubble_repeats, timeout=900)
+                    rows.append(
+                        Row(
+                            f"pp{world_size} {schedule} m{m} sleep F1 BW2",
+                            "bubble_measured",
+                            measured_bubble(per_rank),
+                            "simulate prediction",
+                            predicted_bubble(schedule, world_size, m),
+                        )
+                    )
         finally:
             pool.close()
     return rows

@@ -1,62 +1,27 @@
-"""``PipelineRuntime.run(..., measure=True)``: the measured bubble matches the schedule's
-simulated idle fraction on stages of known cost, and the peak saved-activation bytes per stage
-follow the schedule (GPipe holds all m micro-batches, 1F1B at most p)."""
+"""``PipelineRuntime.run(..., measure=True)``: every rank records its busy time on stages of known
+cost, and the peak saved-activation bytes per stage follow the schedule (GPipe holds all m
+micro-batches, 1F1B at most p). How the measured bubble compares with the simulator's is timing,
+so it is measured by ``tessera bench pp`` (its ``bubble_measured`` rows), not asserted here."""
 
 from __future__ import annotations
-
-import time
-from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from tessera.bench.pp import sleep_runtime
 from tessera.parallel.pipeline import build_schedule
+from tessera.parallel.pipeline.measure import StepMeasure
 from tessera.parallel.pipeline.partition import chunks_of_rank, uniform
-from tessera.parallel.pipeline.runtime import PipelineRuntime, StepMeasure, build_chunks
-from tessera.parallel.pipeline.simulate import simulate
+from tessera.parallel.pipeline.runtime import PipelineRuntime, build_chunks
 from tessera.testing import use_layout
 
 UNIT_S = 0.05  # one cost unit: a forward sleeps 1 unit, a backward 2
 REPEATS = 3
 
 
-class _Sleep(torch.autograd.Function):
-    """``x * w`` whose forward sleeps one unit and backward two: stage costs F = 1, BW = 2 no
-    matter how loaded the CPU is, with trivial real compute."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        time.sleep(UNIT_S)
-        ctx.save_for_backward(x, w)
-        return x * w
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        time.sleep(2 * UNIT_S)
-        x, w = ctx.saved_tensors
-        return grad * w, (grad * x).sum()
-
-
-class SleepStage(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.ones(()))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Sleep.apply(x, self.w)
-
-
-def _sum_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return out.sum()
-
-
 def body_timing(schedule: str, p: int, m: int) -> list[tuple[float, float]]:
-    ctx = use_layout(pipeline=p)
-    group, rank = ctx.group("pipeline"), ctx.local_rank("pipeline")
-    blocks = [SleepStage() for _ in range(p)]
-    chunks = build_chunks(blocks, uniform(p, p), chunks_of_rank(rank, p, 1))
-    runtime = PipelineRuntime(chunks, build_schedule(schedule, p, m)[rank], p, _sum_loss, group)
+    runtime = sleep_runtime(use_layout(pipeline=p), schedule, m, UNIT_S)
     inputs = [torch.ones(2, 2) for _ in range(m)]
     runtime.run(inputs, inputs)  # warm-up: the first step also exchanges shape headers
     out = []
@@ -71,19 +36,12 @@ def body_timing(schedule: str, p: int, m: int) -> list[tuple[float, float]]:
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_measured_bubble_matches_simulation(pools, schedule):
+def test_measure_records_busy_time(pools, schedule):
     p, m = 2, 4
     results = pools.run(p, body_timing, schedule, p, m)
-    predicted = float(simulate(build_schedule(schedule, p, m), costs={"F": 1, "B": 1, "W": 1}).idle_fraction)
-    measured = []
     for repeat in range(REPEATS):
         busy = [results[r][repeat][0] for r in range(p)]
-        step = max(results[r][repeat][1] for r in range(p))
         assert all(b >= m * 3 * UNIT_S for b in busy)  # m forwards and m backwards slept on every rank
-        measured.append(1 - sum(busy) / (p * step))
-    best = min(measured)  # overheads (p2p, Python) only add idle time
-    print(f"{schedule}: predicted bubble {predicted:.4f}, measured {[round(x, 4) for x in measured]}")
-    assert abs(best - predicted) <= 0.1 * predicted, (measured, predicted)
 
 
 BLOCKS = 8

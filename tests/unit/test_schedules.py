@@ -35,7 +35,8 @@ from tessera.parallel.pipeline import (
     validate,
     zero_bubble_h1,
 )
-from tessera.parallel.pipeline.schedules import makes, needs, parse_costs, post_early, reference_times
+from tessera.parallel.pipeline.actions import makes, needs, parse_costs
+from tessera.parallel.pipeline.p2p_placement import post_early, reference_times
 
 F, BW, B, W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
 SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = Kind.SEND_ACT, Kind.RECV_ACT, Kind.SEND_GRAD, Kind.RECV_GRAD

@@ -9,31 +9,22 @@ received tensor is waited for by the compute that reads it, the sends at the end
 order (gloo), steps after the first walk :func:`~tessera.parallel.pipeline.post_early`'s
 reordering of the list: sends right after their compute, receives as early as pairing allows.
 
-Receive buffers need shapes. The first activation sent across a chunk boundary is preceded by a
-small header (int64 ``[8]``: ndim, dtype code, dims) in a batch of its own, waited at once, just
-before the data batch; both sides cache the shape per boundary and later steps send data only
-(activations of a boundary have the same shape for every micro-batch). The header batch pairs
-with the partner's header batch exactly as the data batches pair, so it adds no new wait to the
-schedule's order; headers cross on the first step only, which walks the list as generated. A
-gradient buffer takes the shape of the output it is the gradient of, which the receiving rank
-made itself.
-
-The step's loss, known on the last chunk's rank, reaches the other ranks on the gradient of the
-last micro-batch (8 bytes in front of it), not through a collective; zero-bubble's B and W split
-the backward without repeating work (:mod:`~tessera.parallel.pipeline.backward`).
+What crosses the wire (shape headers on the first step, receive buffers, the loss riding on the
+last micro-batch's gradient instead of a collective) is :mod:`~tessera.parallel.pipeline.wire`'s
+job; zero-bubble's B and W split the backward without repeating work
+(:mod:`~tessera.parallel.pipeline.backward`).
 
 ``run(..., measure=True)`` records a :class:`StepMeasure` of the step in ``runtime.last_measure``
-(off by default; when off, no timer or hook runs): this rank's busy time in compute actions, the
-step's wall time after a start barrier, and the peak bytes of tensors saved for backward by its
-chunks' forwards (parameters excluded), held from a forward until its backward (or its W when
-the backward is split).
+(:mod:`~tessera.parallel.pipeline.measure`; off by default; when off, no timer or hook runs):
+this rank's busy time in compute actions, the step's wall time after a start barrier, and the
+peak bytes of tensors saved for backward by its chunks' forwards (parameters excluded), held
+from a forward until its backward (or its W when the backward is split).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -41,17 +32,17 @@ from torch import nn
 from tessera import comm
 from tessera.comm.group import AxisGroup
 from tessera.comm.ops import p2p_in_any_order
+from tessera.parallel.pipeline.actions import Action, Kind
 from tessera.parallel.pipeline.backward import WeightWork, backward_input, backward_weight
+from tessera.parallel.pipeline.measure import SavedBytes, StepMeasure
+from tessera.parallel.pipeline.p2p_placement import post_early
 from tessera.parallel.pipeline.partition import chunk_ranges
-from tessera.parallel.pipeline.schedules import Action, Kind, post_early
+from tessera.parallel.pipeline.wire import BoundaryShapes, gradient_buffer, pack_loss, peer_of, unpack_loss
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Key = tuple[int, int]  # (chunk, micro-batch)
 
-_HEADER_SIZE = 8  # ndim, dtype code, up to 6 dims
-_LOSS_BYTES = 8  # the step's loss, float64, in front of the last micro-batch's gradient
 _MAKES_INPUT_GRAD = (Kind.BACKWARD, Kind.BACKWARD_INPUT)
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool)
 
 
 def _plan(actions: Sequence[Action]) -> list[tuple[list[Action], Action | None]]:
@@ -74,70 +65,6 @@ def build_chunks(blocks: Sequence[nn.Module], boundaries: list[int], chunk_ids: 
     modules are shared with ``blocks``, not copied."""
     ranges = chunk_ranges(boundaries, len(blocks))
     return {c: nn.Sequential(*[blocks[k] for k in range(*ranges[c])]) for c in chunk_ids}
-
-
-def _encode_header(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.dim() > _HEADER_SIZE - 2:
-        raise ValueError(f"pipeline activations may have at most {_HEADER_SIZE - 2} dims, got {tuple(tensor.shape)}")
-    if tensor.dtype not in _DTYPES:
-        raise ValueError(f"pipeline activations of dtype {tensor.dtype} are not supported; use one of {_DTYPES}")
-    header = torch.zeros(_HEADER_SIZE, dtype=torch.int64)
-    header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
-    header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-    return header
-
-
-def _decode_header(header: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
-    ndim, code = int(header[0]), int(header[1])
-    return torch.Size(int(d) for d in header[2 : 2 + ndim]), _DTYPES[code]
-
-
-@dataclass
-class StepMeasure:
-    """One rank's measurements of one step (``run(..., measure=True)``). ``busy_s``: wall time in
-    compute actions (F, BW, B, W); ``step_s``: wall time from the start barrier to the end of the
-    rank's action list; ``saved_bytes[(chunk, mb)]``: bytes the forward of that pair saved for
-    backward (parameters excluded, each tensor counted once); ``peak_saved_bytes``: the most such
-    bytes live at once, a pair's released at the end of its BW, or of its W when split."""
-
-    busy_s: float = 0.0
-    step_s: float = 0.0
-    saved_bytes: dict[Key, int] = field(default_factory=dict)
-    peak_saved_bytes: int = 0
-    live_saved_bytes: int = 0
-
-    def hold(self, key: Key, nbytes: int) -> None:
-        self.saved_bytes[key] = nbytes
-        self.live_saved_bytes += nbytes
-        self.peak_saved_bytes = max(self.peak_saved_bytes, self.live_saved_bytes)
-
-    def release(self, key: Key) -> None:
-        self.live_saved_bytes -= self.saved_bytes[key]
-
-
-class _SavedBytes:
-    """Counts the bytes of tensors saved for backward inside the ``with`` (saved_tensors_hooks),
-    skipping views of ``params``' storages and counting each tensor (pointer, shape, strides) once."""
-
-    def __init__(self, params: Sequence[torch.Tensor]) -> None:
-        self._skip = {q.untyped_storage().data_ptr() for q in params}
-        self._seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
-        self.nbytes = 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        view = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
-        if tensor.untyped_storage().data_ptr() not in self._skip and view not in self._seen:
-            self._seen.add(view)
-            self.nbytes += tensor.numel() * tensor.element_size()
-        return tensor
-
-    def __enter__(self) -> _SavedBytes:
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._hooks.__exit__(*exc)
 
 
 class PipelineRuntime:
@@ -172,8 +99,6 @@ class PipelineRuntime:
         # complete in any order (gloo).
         self._first_plan = _plan(actions)
         self._plan = _plan(post_early(actions)) if p2p_in_any_order(group) else self._first_plan
-        self._boundaries_in = {a.chunk - 1 for a in actions if a.kind is Kind.RECV_ACT}
-        self._boundaries_out = {a.chunk for a in actions if a.kind is Kind.SEND_ACT}
         self._check_loss_carrier()
         self._dispatch: dict[Kind, Callable[[Action], None]] = {
             Kind.FORWARD: self._forward,
@@ -181,9 +106,7 @@ class PipelineRuntime:
             Kind.BACKWARD_INPUT: self._backward_input,
             Kind.BACKWARD_WEIGHT: self._backward_weight,
         }
-        # Shape cache, kept across steps. Keyed by boundary: the chunk on the sending side.
-        self._announced: set[int] = set()  # boundaries whose header this rank has sent
-        self._act_meta: dict[int, tuple[torch.Size, torch.dtype]] = {}  # boundaries whose header it received
+        self._shapes = BoundaryShapes(actions)  # activation shapes per boundary, kept across steps
         self.last_measure: StepMeasure | None = None  # set by run(..., measure=True)
         self._measure: StepMeasure | None = None
         self._reset_step([], [])
@@ -223,11 +146,11 @@ class PipelineRuntime:
         if stats is not None:
             comm.barrier(self.group)
             start = time.perf_counter()
-        known = self._shapes_known()
+        known = self._shapes.known()
         for transfers, action in self._plan if known else self._first_plan:
             if transfers:
                 if not known:
-                    self._exchange_headers(transfers)
+                    self._shapes.exchange(transfers, self._activation, self.group, self._device)
                 self._post(transfers)
             if action is None:
                 break
@@ -251,9 +174,6 @@ class PipelineRuntime:
         if total is None:
             raise RuntimeError("pipeline step ended without the step's loss reaching this rank")
         return float(total)
-
-    def _shapes_known(self) -> bool:
-        return self._boundaries_in <= self._act_meta.keys() and self._boundaries_out <= self._announced
 
     def _reset_step(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
         self._inputs, self._targets = inputs, targets
@@ -305,7 +225,7 @@ class PipelineRuntime:
         if self._measure is None:
             out = self._chunk_forward(c, i, x)
         else:
-            with _SavedBytes(list(self.chunks[c].parameters())) as counter:
+            with SavedBytes(list(self.chunks[c].parameters())) as counter:
                 out = self._chunk_forward(c, i, x)
             self._measure.hold((c, i), counter.nbytes)
         if c != self.num_chunks - 1 and c + 1 in self.chunks:  # neighbour on this rank (only with p = 1): no transfer
@@ -367,7 +287,7 @@ class PipelineRuntime:
         """Post one run of adjacent transfers as one batch, in list order, without waiting: a
         receive is waited for by the compute that reads it, a send at the end of the step."""
         ops = [
-            comm.P2POp("send" if a.kind.is_send else "recv", self._transfer_tensor(a), self.group, self._peer(a))
+            comm.P2POp("send" if a.kind.is_send else "recv", self._transfer_tensor(a), self.group, peer_of(a))
             for a in transfers
         ]
         for action, pending in zip(transfers, comm.batch_p2p(ops, async_op=True), strict=True):
@@ -379,39 +299,22 @@ class PipelineRuntime:
             else:
                 self._grad_in[key] = pending
 
-    def _exchange_headers(self, transfers: list[Action]) -> None:
-        ops: list[comm.P2POp] = []
-        incoming: dict[int, torch.Tensor] = {}  # boundary -> header buffer
-        for action in transfers:
-            if action.kind is Kind.SEND_ACT and action.chunk not in self._announced:
-                self._announced.add(action.chunk)
-                header = _encode_header(self._saved[(action.chunk, action.microbatch)][1]).to(self._device)
-                ops.append(comm.P2POp("send", header, self.group, self._peer(action)))
-            elif action.kind is Kind.RECV_ACT and action.chunk - 1 not in {*self._act_meta, *incoming}:
-                header = torch.zeros(_HEADER_SIZE, dtype=torch.int64, device=self._device)
-                ops.append(comm.P2POp("recv", header, self.group, self._peer(action)))
-                incoming[action.chunk - 1] = header
-        comm.batch_p2p(ops)
-        for boundary, header in incoming.items():
-            self._act_meta[boundary] = _decode_header(header)
+    def _activation(self, action: Action) -> torch.Tensor:
+        """The output activation a ``SEND_ACT`` sends: its forward's output."""
+        return self._saved[(action.chunk, action.microbatch)][1]
 
     def _transfer_tensor(self, action: Action) -> torch.Tensor:
         """The tensor to send, or a fresh buffer to receive into."""
         key = action.chunk, action.microbatch
         if action.kind is Kind.SEND_ACT:
-            return self._saved[key][1].detach().contiguous()
+            return self._activation(action).detach().contiguous()
         if action.kind is Kind.SEND_GRAD:
             grad = self._grad_out.pop(key).contiguous()
             return self._pack_loss(grad) if self._carries_loss(action) else grad
         if action.kind is Kind.RECV_ACT:
-            shape, dtype = self._act_meta[action.chunk - 1]
-            return torch.empty(shape, dtype=dtype, device=self._device)
+            return self._shapes.activation_buffer(action.chunk - 1, self._device)
         output = self._saved[key][1]  # RECV_GRAD: the gradient of an output this rank made
-        if self._carries_loss(action):
-            return torch.empty(
-                _LOSS_BYTES + output.numel() * output.element_size(), dtype=torch.uint8, device=self._device
-            )
-        return torch.empty_like(output, memory_format=torch.contiguous_format)
+        return gradient_buffer(output, with_loss=self._carries_loss(action), device=self._device)
 
     # The step's loss is known on the last chunk's rank only. Rather than all-reducing it (a
     # collective that every step would wait for), it rides, as 8 bytes of float64 in front of the
@@ -424,18 +327,11 @@ class PipelineRuntime:
     def _pack_loss(self, grad: torch.Tensor) -> torch.Tensor:
         if self._loss is None:
             raise RuntimeError("the step's loss has not reached this rank before the last micro-batch's gradient")
-        message = torch.empty(_LOSS_BYTES + grad.numel() * grad.element_size(), dtype=torch.uint8, device=grad.device)
-        message[:_LOSS_BYTES].view(torch.float64).copy_(self._loss.reshape(1))
-        message[_LOSS_BYTES:].view(grad.dtype).copy_(grad.reshape(-1))
-        return message
+        return pack_loss(self._loss, grad)
 
     def _unpack_loss(self, message: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
         """The gradient in ``message`` (shaped like ``output``); keeps the loss it carries."""
+        loss, grad = unpack_loss(message, output)
         if not self._holds_loss:
-            self._loss = message[:_LOSS_BYTES].view(torch.float64)[0]
-        return message[_LOSS_BYTES:].view(output.dtype).view(output.shape)
-
-    def _peer(self, action: Action) -> int:
-        if action.peer is None:
-            raise ValueError(f"transfer {action} names no peer")
-        return action.peer
+            self._loss = loss
+        return grad

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Literal, NamedTuple
 
-from tessera.parallel.pipeline.schedules import (
+from tessera.parallel.pipeline.actions import (
     COMPUTE_KINDS,
     Action,
     Costs,
