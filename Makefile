@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tessera-installed
 
-.PHONY: setup train test lint clean
+.PHONY: setup train test test-gpu lint clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,12 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest -q
+
+# The CUDA lane (tests/cuda, marker `cuda`), which `make test` does not collect. It needs a GPU
+# and a CUDA build of torch (docs/testing.md also shows how to dry-run its test code on CPU).
+test-gpu: $(STAMP)
+	@$(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: no GPU here: torch.cuda.is_available() is False (torch ' + torch.__version__ + ', CUDA build: ' + str(torch.version.cuda or 'none') + '). The CUDA lane needs a GPU and a CUDA build of torch.')"
+	TESSERA_TEST_DEVICE=cuda:0 $(BIN)/python -m pytest -q --cuda-lane -m cuda tests/cuda
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

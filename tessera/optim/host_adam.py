@@ -131,7 +131,10 @@ class HostAdamW(torch.optim.AdamW):
         bucket = _Bucket(params)
         region = _tiled_region(params)
         if region is None:  # move the parameters into one new flat buffer
-            region = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype)
+            # pinned when the tensors were (ZeRO offload's masters, copied to a GPU every step)
+            region = torch.empty(
+                sum(p.numel() for p in params), dtype=params[0].dtype, pin_memory=any(p.is_pinned() for p in params)
+            )
             for p, view in zip(params, _split(region, params)):
                 view.copy_(p)
                 p.data = view

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from tessera.config import load_config, parallel_dims
@@ -13,7 +14,7 @@ from tessera.context import ParallelContext, ParallelDims
 from tessera.session import set_session
 from tessera.testing.pool import PoolSet, RankFailure, RankPool, free_port
 
-_contexts: dict[ParallelDims, ParallelContext] = {}
+_contexts: dict[tuple[ParallelDims, torch.device], ParallelContext] = {}
 
 
 def use_layout(
@@ -27,12 +28,15 @@ def use_layout(
     sequence_parallel: bool | None = None,
     seed: int = 42,
     config: Any = None,
+    device: str | torch.device = "cpu",
 ) -> ParallelContext:
     """Make a context for this layout current on this rank (built once per pool, then reused).
 
     Collective the first time: every rank of the pool must ask for the same layout. With
     ``config`` (anything ``load_config`` takes) that config becomes the current run's, as after
     ``tessera.launch``; its ``parallel`` section must describe the same layout.
+    ``device`` is where the context puts models and batches (``tessera.launch`` picks the
+    rank's GPU under NCCL); one process can thus train on ``"cuda:0"`` without a process group.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     cfg = load_config(config) if config is not None else None
@@ -40,9 +44,12 @@ def use_layout(
         sequence_parallel = cfg is not None and cfg.parallel.tensor.sequence_parallel
     dims = ParallelDims(world, data, pipeline, sequence, tensor, mode, depth, sequence_parallel)
     groups_key = dataclasses.replace(dims, sequence_parallel=False)  # the same process groups either way
-    if groups_key not in _contexts:
-        _contexts[groups_key] = ParallelContext(groups_key, seed=seed)
-    ctx = _contexts[groups_key]
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if (groups_key, device) not in _contexts:
+        _contexts[groups_key, device] = ParallelContext(groups_key, device=device, seed=seed)
+    ctx = _contexts[groups_key, device]
     if dims != groups_key:
         ctx = copy.copy(ctx)
         ctx.dims = dims

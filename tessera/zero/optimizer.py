@@ -40,6 +40,7 @@ from tessera.comm import Pending
 from tessera.context import ParallelContext
 from tessera.context.placement import Placement, ZeroSlot, placement_of, set_placement, update_placement
 from tessera.memory.chunks import Chunk, ChunkStore, Slot
+from tessera.memory.host import copy_to_device_, host_copy, wait_for_device
 from tessera.optim.host_adam import HostAdamW
 from tessera.optim.norms import global_grad_norm
 from tessera.zero.policy import ZeroOptions
@@ -132,6 +133,8 @@ class ZeroOptimizer:
     def _make_master(self, chunk: Chunk) -> torch.Tensor:
         if self.param_dtype == torch.float32 and self.master_device == chunk.shard.device:
             return chunk.shard  # fp32 on the same device: the shard itself is the master
+        if self.master_device.type == "cpu":  # offloaded: pinned host memory when the shard is on a GPU
+            return host_copy(chunk.shard, torch.float32)
         return chunk.shard.detach().to(self.master_device, torch.float32, copy=True)
 
     def _install_pieces(self, entries: list[tuple[str, nn.Parameter]], masters: list[torch.Tensor]) -> None:
@@ -207,7 +210,7 @@ class ZeroOptimizer:
         with torch.no_grad():
             for chunk, pieces in zip(self.store.chunks, self._pieces):
                 if self._separate and pieces:
-                    torch._foreach_copy_([chunk.shard[a:b] for _, a, b in pieces], [p for p, _, _ in pieces])
+                    copy_to_device_([chunk.shard[a:b] for _, a, b in pieces], [p for p, _, _ in pieces])
                 pending.append(chunk.refresh_full(async_op=True))
         for work in pending:
             if work is not None:
@@ -289,10 +292,13 @@ class ZeroOptimizer:
             self._reduce_full_gradients()
         if self._empty is not None:
             self._empty.grad = torch.zeros_like(self._empty)
+        copied = False
         for chunk, pieces in zip(self.store.chunks, self._pieces):
             shard = self.grad_shards[chunk.index]
             if shard is None:
                 continue
+            if shard.device != self.master_device:  # offloaded: one pinned, non-blocking copy per chunk
+                shard, copied = host_copy(shard, torch.float32, wait=False), True
             for (piece, start, end), (slot, _, _) in zip(pieces, chunk.shard_pieces()):
                 if slot.index not in self._has_grad:
                     continue  # no rank of the data axis computed it (e.g. another stage's layer)
@@ -302,6 +308,8 @@ class ZeroOptimizer:
                     if grad.dtype == piece.dtype and grad.device == piece.device
                     else grad.to(piece.device, piece.dtype)
                 )
+        if copied:
+            wait_for_device(self.ctx.device)  # the gradients copied to the host have arrived
 
     def grad_norm(self) -> torch.Tensor:
         """The 2-norm of the whole model's gradient from the pieces' gradients (after
