@@ -1,0 +1,133 @@
+"""One short run per strategy through the public API, on the ranks of a pool.
+
+Every run trains the same small GPT (vocabulary 64, 16 tokens, fp32 unless stated) for 8 steps
+on the same fixed token sequences with AdamW, gradient clipping at 0.5 (below the gradient norms,
+so the global norm and the clipping act on every step) and, where the layout has no pipeline, two
+accumulation micro-batches per step (a pipeline runs 4 micro-batches instead). Dropout stays off: a
+pool's cached layouts carry their RNG streams from test to test, so a run that drew random
+numbers during training would depend on the tests before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import tessera
+from tessera.checkpoint import full_state_dict
+from tessera.models import NextTokenLoss, gpt
+from tessera.testing import use_layout
+from tests.golden.record import hex_floats, weights_fingerprint
+
+STEPS = 8
+GLOBAL_BATCH = 8
+SEQ = 16
+VOCAB = 64
+ZERO_BUCKET_MB = 0.016  # ~4k fp32 elements a chunk: the model spreads over several chunks
+DATASET = "(start + stride * arange(17)) % 64, start in [0, 64) and stride in [1, 4) drawn with Generator seed 7"
+
+
+@dataclasses.dataclass(frozen=True)
+class GoldenRun:
+    """A layout and its training settings; ``ranks`` is the pool's world size."""
+
+    ranks: int
+    data: int = 1
+    tensor: int = 1
+    mode: str = "1d"
+    depth: int = 1
+    sequence_parallel: bool = False
+    pipeline: int = 1
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    chunks: int = 1
+    zero_stage: int = 0
+    offload: str = "none"
+    dtype: str = "fp32"
+    accumulation: int = 2
+    clip: float = 0.5  # below the gradient norms of these runs: every step is clipped
+
+    def config(self) -> dict[str, Any]:
+        pipeline = {"size": self.pipeline, "schedule": self.schedule, "microbatches": self.microbatches,
+                    "chunks": self.chunks}  # fmt: skip
+        tensor = {"size": self.tensor, "mode": self.mode, "depth": self.depth,
+                  "sequence_parallel": self.sequence_parallel}  # fmt: skip
+        return {
+            "parallel": {"data": self.data, "pipeline": pipeline, "tensor": tensor},
+            "zero": {"stage": self.zero_stage, "bucket_mb": ZERO_BUCKET_MB, "offload_optimizer": self.offload},
+            "mixed_precision": {"dtype": self.dtype},
+            "gradient_accumulation": self.accumulation,
+            "clip_grad_norm": self.clip,
+        }
+
+    def micro_batch(self) -> int:
+        per_step = self.microbatches if self.pipeline > 1 else self.accumulation
+        return GLOBAL_BATCH // (self.data * per_step)
+
+    def definition(self) -> dict[str, Any]:
+        """What the golden file records about the run (a change to it means regenerating)."""
+        model = {"preset": "tiny", "vocab_size": VOCAB, "max_seq_len": SEQ, "d_model": 32, "n_layers": 2, "n_heads": 4}
+        return {**dataclasses.asdict(self), "steps": STEPS, "global_batch": GLOBAL_BATCH, "model": model,
+                "optimizer": "AdamW(lr=3e-3, eps=1e-6)", "dataset": DATASET}  # fmt: skip
+
+
+PP = dict(ranks=4, accumulation=1, microbatches=4)
+RUNS: dict[str, GoldenRun] = {
+    "dp4": GoldenRun(4, data=4),
+    "tp1d-tp2-dp2": GoldenRun(4, data=2, tensor=2),
+    "tp1d-tp2-sp-dp2": GoldenRun(4, data=2, tensor=2, sequence_parallel=True),
+    "tp2d-tp4": GoldenRun(4, tensor=4, mode="2d"),
+    "tp2.5d-tp8-depth2": GoldenRun(8, tensor=8, mode="2.5d", depth=2),
+    "tp3d-tp8": GoldenRun(8, tensor=8, mode="3d"),
+    "pp2-gpipe-dp2": GoldenRun(**PP, data=2, pipeline=2, schedule="gpipe"),
+    "pp4-1f1b": GoldenRun(**PP, pipeline=4, schedule="1f1b"),
+    "pp2-interleaved-v2-dp2": GoldenRun(**PP, data=2, pipeline=2, schedule="interleaved", chunks=2),
+    "pp4-zero-bubble": GoldenRun(**PP, pipeline=4, schedule="zero_bubble"),
+    "zero1-dp4": GoldenRun(4, data=4, zero_stage=1),
+    "zero2-dp4": GoldenRun(4, data=4, zero_stage=2),
+    "zero3-dp4": GoldenRun(4, data=4, zero_stage=3),
+    "zero2-offload-dp4": GoldenRun(4, data=4, zero_stage=2, offload="cpu"),
+    "bf16-tp2-dp2": GoldenRun(4, data=2, tensor=2, dtype="bf16"),
+}
+
+
+def dataset() -> TensorDataset:
+    """Learnable sequences (so the loss falls): each sample counts up by a fixed stride."""
+    g = torch.Generator().manual_seed(7)
+    n = GLOBAL_BATCH * STEPS
+    start = torch.randint(0, VOCAB, (n, 1), generator=g)
+    stride = torch.randint(1, 4, (n, 1), generator=g)
+    tokens = (start + stride * torch.arange(SEQ + 1)) % VOCAB
+    return TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+def train_golden(name: str) -> dict[str, Any]:
+    """Run ``RUNS[name]`` on every rank of the pool; every rank returns the numbers it saw."""
+    run = RUNS[name]
+    use_layout(data=run.data, pipeline=run.pipeline, tensor=run.tensor, mode=run.mode, depth=run.depth,
+               config=run.config())  # fmt: skip
+    torch.manual_seed(0)
+    model = gpt("tiny", vocab_size=VOCAB, max_seq_len=SEQ, d_model=32, n_layers=2, n_heads=4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
+    loader = DataLoader(dataset(), batch_size=run.micro_batch())
+    engine, loader, _, _ = tessera.initialize(model, optimizer, NextTokenLoss(), loader)
+    assert loader is not None
+    it = iter(loader)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        losses.append(engine.train_batch(it))
+        assert engine.last_grad_norm is not None, "clipping is on: the engine reports the norm"
+        norms.append(engine.last_grad_norm)
+    weights = weights_fingerprint(full_state_dict(model))
+    return {"losses": hex_floats(losses), "grad_norms": hex_floats(norms), "final_weights": weights}
+
+
+def compute(pools: Any, name: str) -> dict[str, Any]:
+    """The numbers of run ``name``, checked to be the same on every rank."""
+    results = pools.run(RUNS[name].ranks, train_golden, name, timeout=300)
+    for rank, result in enumerate(results[1:], start=1):
+        assert result == results[0], f"golden run {name!r}: rank {rank} reports other numbers than rank 0"
+    return results[0]
