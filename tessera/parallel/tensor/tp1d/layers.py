@@ -292,8 +292,8 @@ class VocabParallelClassifier1D(nn.Module):
 
 
 class PatchEmbedding1D(nn.Module):
-    """ViT patch embedding (as ``tessera.nn.plain.PatchEmbedding``) with every parameter split on
-    the embedding dimension: each rank computes its ``embed/P`` channels (conv, class token,
+    """ViT patch embedding (as ``plain.PatchEmbedding``) with every parameter split on the
+    embedding dimension: each rank computes its ``embed/P`` channels (conv, class token,
     position embedding), then all-gather. ``[b, c, H, W]`` -> ``[b, 1 + N, embed]`` replicated."""
 
     def __init__(

@@ -225,7 +225,7 @@ class VocabParallelClassifier2D(Linear2D):
 
 
 class PatchEmbedding2D(_GridLayer):
-    """ViT patch embedding (as ``tessera.nn.plain.PatchEmbedding``): full images ``[B, c, H, W]``
+    """ViT patch embedding (as ``plain.PatchEmbedding``): full images ``[B, c, H, W]``
     -> ``[B/q, 1 + N, E/q]``. Every parameter keeps embedding block j (replicated over
     ``2d_col``; their gradients are summed over it)."""
 

@@ -252,8 +252,8 @@ class VocabParallelClassifier3D(_CubeLayer):
 
 
 class PatchEmbedding3D(_CubeLayer):
-    """ViT patch embedding (as ``tessera.nn.plain.PatchEmbedding``) with every parameter split on
-    the embedding dimension as the activations: images ``[b, c, H, W]`` (full) ->
+    """ViT patch embedding (as ``plain.PatchEmbedding``) with every parameter split on the
+    embedding dimension as the activations: images ``[b, c, H, W]`` (full) ->
     ``[b/q, 1 + N, F]``; each rank convolves its batch block into its channels."""
 
     def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_size: int, *, ctx: ParallelContext) -> None:
