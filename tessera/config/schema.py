@@ -37,9 +37,7 @@ class TensorConfig:
     )
 
     def validate(self, path: str) -> None:
-        check_tensor_layout(self.size, self.mode, self.depth)
-        if self.sequence_parallel and self.mode != "1d":
-            raise ConfigError(f"{path}sequence_parallel=True needs mode '1d' (mode is {self.mode!r})")
+        check_tensor_layout(self.size, self.mode, self.depth, self.sequence_parallel)
 
 
 @dataclass(frozen=True)

@@ -59,8 +59,11 @@ def integer_root(value: int, power: int) -> int | None:
     return None
 
 
-def check_tensor_layout(size: int, mode: str, depth: int = 1) -> None:
-    """Raise ConfigError unless ``size`` ranks can run tensor mode ``mode`` with ``depth``."""
+def check_tensor_layout(size: int, mode: str, depth: int = 1, sequence_parallel: bool = False) -> None:
+    """Raise ConfigError unless ``size`` ranks can run tensor mode ``mode`` with ``depth`` (and
+    ``sequence_parallel``). The one place the tensor mode is validated: the config schema and
+    :class:`ParallelDims` call it, and the registry of modes (``tessera.parallel.tensor.modes``)
+    has exactly the modes of :data:`TENSOR_MODES`."""
     if mode not in TENSOR_MODES:
         raise ConfigError(
             f"parallel.tensor.mode={mode!r} is not a tensor-parallel mode; allowed: {', '.join(TENSOR_MODES)}"
@@ -90,6 +93,8 @@ def check_tensor_layout(size: int, mode: str, depth: int = 1) -> None:
             f"parallel.tensor.size={size} is not allowed for mode '3d': 3D tensor parallelism "
             "runs on a q x q x q cube, so the size must be a cube (1, 8, 27, 64, ...)"
         )
+    if sequence_parallel and mode != "1d":
+        raise ConfigError(f"parallel.tensor.sequence_parallel=True needs mode '1d' (mode is {mode!r})")
 
 
 @dataclass(frozen=True)
@@ -115,9 +120,7 @@ class ParallelDims:
             value = getattr(self, name)
             if value < 1:
                 raise ConfigError(f"parallel.{name} size {value} must be at least 1")
-        check_tensor_layout(self.tensor, self.tensor_mode, self.tensor_depth)
-        if self.sequence_parallel and self.tensor_mode != "1d":
-            raise ConfigError(f"parallel.tensor.sequence_parallel=True needs mode '1d' (mode is {self.tensor_mode!r})")
+        check_tensor_layout(self.tensor, self.tensor_mode, self.tensor_depth, self.sequence_parallel)
         model = self.pipeline * self.sequence * self.tensor
         sizes = f"pipeline={self.pipeline} x sequence={self.sequence} x tensor={self.tensor}"
         if self.data is None:

@@ -18,9 +18,7 @@ from torch import nn
 
 from tessera import comm
 from tessera.checkpoint import full_state_dict, load_full_state_dict
-from tessera.nn.plain import PatchEmbedding
-from tessera.parallel.tensor.common import ShardSpec, local_shard, round_up, spec_of
-from tessera.parallel.tensor.tp1d import (
+from tessera.nn import (
     Classifier1D,
     CrossEntropyLoss1D,
     Dropout1D,
@@ -32,10 +30,10 @@ from tessera.parallel.tensor.tp1d import (
     VocabParallelClassifier1D,
     VocabParallelCrossEntropyLoss1D,
     VocabParallelEmbedding1D,
-    gather_activation,
-    hidden_parts,
-    split_activation,
 )
+from tessera.parallel.tensor.common import ShardSpec, local_shard, round_up, spec_of
+from tessera.parallel.tensor.plain import PatchEmbedding
+from tessera.parallel.tensor.tp1d import gather_activation, hidden_parts, split_activation
 from tessera.testing import use_layout
 
 TOL = dict(rtol=1e-5, atol=1e-6)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from tessera import nn as tnn
-from tessera.parallel.tensor import tp1d, tp2d, tp2p5d, tp3d
+from tessera.nn.explicit import tp1d, tp2d, tp2p5d, tp3d
 
 
 def test_without_a_tensor_group_the_layers_are_plain_torch():

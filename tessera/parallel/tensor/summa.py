@@ -23,97 +23,37 @@ received ones (the Optimus memory trade). 2.5D runs the same steps inside each o
 grids. Each product runs one step ahead: the broadcasts of step ``l + 1`` are started
 (``comm.broadcast_async``) before the matmul of step ``l``, so communication overlaps compute.
 
-Besides the products: :class:`SummaGrid` (this rank's place in the grid(s)), the grid transpose
+Besides the products: the grid transpose
 (block ``(i, j)`` to ``(j, i)``), and splitting and gathering a ``[batch, (seq,) hidden]``
 activation, whose batch is split over the grid's rows (and grids) and hidden over its columns.
+This rank's place in the grid(s) is a :class:`~tessera.parallel.tensor.grid.SummaGrid`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from tessera import comm
 from tessera.comm import AxisGroup
-from tessera.context import ParallelContext
 from tessera.parallel.tensor.common import pad_dim
+from tessera.parallel.tensor.grid import SummaGrid
 
-
-@dataclass(frozen=True)
-class SummaGrid:
-    """This rank's place in the q x q grid (and, in 2.5D, in the stack of ``depth`` grids).
-
-    Rank ``(k, i, j)``: grid ``k``, row ``i``, column ``j``; its index in the tensor group is
-    ``k*q*q + i*q + j``. ``dep`` (None in 2D) joins the ranks at the same ``(i, j)`` of every grid.
-    """
-
-    row: AxisGroup  # this grid row: members differ in j
-    col: AxisGroup  # this grid column: members differ in i
-    dep: AxisGroup | None  # same (i, j) across grids (2.5D)
-    tensor: AxisGroup
-
-    def __post_init__(self) -> None:
-        if self.row.size != self.col.size:
-            raise ValueError(f"SUMMA grid must be square: row {self.row.size} x column {self.col.size}")
-        if self.tensor.size != self.depth * self.q * self.q or self.tensor.rank != self.tensor_index(
-            self.k, self.i, self.j
-        ):
-            raise ValueError(f"tensor group {self.tensor} does not number the grid as k*q*q + i*q + j")
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> SummaGrid:
-        return self  # process groups are handles: a copied module shares them
-
-    @classmethod
-    def from_context(cls, ctx: ParallelContext, row: str, col: str, dep: str | None = None) -> SummaGrid:
-        return cls(ctx.group(row), ctx.group(col), ctx.group(dep) if dep else None, ctx.group("tensor"))
-
-    @property
-    def q(self) -> int:
-        return self.row.size
-
-    @property
-    def depth(self) -> int:
-        return 1 if self.dep is None else self.dep.size
-
-    @property
-    def i(self) -> int:
-        return self.col.rank
-
-    @property
-    def j(self) -> int:
-        return self.row.rank
-
-    @property
-    def k(self) -> int:
-        return 0 if self.dep is None else self.dep.rank
-
-    def tensor_index(self, k: int, i: int, j: int) -> int:
-        return (k * self.q + i) * self.q + j
-
-    @property
-    def batch_groups(self) -> tuple[AxisGroup, ...]:
-        """Groups splitting the batch, outermost first: block ``k*q + i`` of ``depth*q``."""
-        return (self.col,) if self.dep is None else (self.dep, self.col)
-
-    @property
-    def batch_axes(self) -> tuple[str, ...]:
-        return tuple(g.name for g in self.batch_groups)
-
-    @property
-    def batch_parts(self) -> int:
-        return self.depth * self.q
-
-    @property
-    def batch_index(self) -> int:
-        return self.k * self.q + self.i
-
-    @property
-    def weight_replicas(self) -> tuple[AxisGroup, ...]:
-        """Groups over which a parameter split on the hidden dimension only is replicated: its
-        members see different batch blocks, so their gradient shares are summed."""
-        return self.batch_groups
+__all__ = [
+    "SummaGrid",
+    "batch_block",
+    "gather_activation",
+    "grid_batch",
+    "grid_transpose",
+    "matmul_ab",
+    "matmul_abt",
+    "matmul_atb",
+    "split_activation",
+    "summa_ab",
+    "summa_abt",
+    "summa_atb",
+]
 
 
 # ---- SUMMA products (no autograd) ----------------------------------------------------------
@@ -275,9 +215,6 @@ def grid_transpose(x: torch.Tensor, grid: SummaGrid) -> torch.Tensor:
     """Rank ``(k, i, j)`` gets the block rank ``(k, j, i)`` holds (same shape); the backward is the
     same swap. Off-diagonal ranks send and receive one block each."""
     return _GridTranspose.apply(x, grid)
-
-
-# ---- parameters replicated over part of the grid --------------------------------------------
 
 
 # ---- activation layout -----------------------------------------------------------------------
