@@ -14,7 +14,7 @@ from torch import nn
 
 from tessera import comm
 from tessera.context import ParallelContext
-from tessera.context.placement import Placement, ReleasableStorage, placement_of
+from tessera.context.placement import Placement, ReleasableStorage, placement_of, storages_of
 from tessera.parallel.tensor.common import gather_full, local_shard
 
 
@@ -51,21 +51,10 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _storages(module: nn.Module) -> list[ReleasableStorage]:
-    """The owners of released or sharded storage behind ``module``'s parameters (a ZeRO chunk
-    store, say), in parameter order: the same order on every rank."""
-    found: dict[int, ReleasableStorage] = {}
-    for p in module.parameters():
-        storage = placement_of(p).storage
-        if storage is not None:
-            found.setdefault(id(storage), storage)
-    return list(found.values())
-
-
 @contextmanager
 def _storage_gathered(module: nn.Module) -> Iterator[list[ReleasableStorage]]:
     """Every parameter of ``module`` readable inside the block (released storage gathered)."""
-    storages = _storages(module)
+    storages = storages_of(module.parameters())
     with ExitStack() as stack:
         for storage in storages:
             stack.enter_context(storage.gathered())

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -179,6 +180,17 @@ def update_placement(tensor: torch.Tensor, **changes: Any) -> Placement:
     placement = dataclasses.replace(placement_of(tensor), **changes)
     set_placement(tensor, placement)
     return placement
+
+
+def storages_of(tensors: Iterable[torch.Tensor]) -> list[ReleasableStorage]:
+    """The distinct owners of releasable storage behind ``tensors`` (a ZeRO chunk store, say),
+    in the order first met: the same order on every rank for the same model."""
+    found: dict[int, ReleasableStorage] = {}
+    for t in tensors:
+        storage = placement_of(t).storage
+        if storage is not None:
+            found.setdefault(id(storage), storage)
+    return list(found.values())
 
 
 def full_numel(tensor: torch.Tensor) -> int:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from tessera import comm
-from tessera.context.placement import ReleasableStorage, placement_of
+from tessera.context.placement import placement_of, storages_of
 from tessera.errors import TesseraError
 from tessera.parallel.pipeline.stage import PipelineStage
 from tessera.parallel.strategy import Strategy
@@ -49,16 +49,12 @@ class PipelineParallel(Strategy):
         the stage that trains it (collective over the pipeline axis)."""
         if not self._weights_stale:
             return
-        unique = {id(p): p for p in self.module.parameters()}.values()
-        storages: dict[int, ReleasableStorage] = {}
         with torch.no_grad():
-            for p in unique:
-                placement = placement_of(p)
-                if placement.stage is not None:
-                    comm.broadcast(p.data, self.ctx.group("pipeline"), src=placement.stage)
-                if placement.storage is not None:
-                    storages.setdefault(id(placement.storage), placement.storage)
-            for storage in storages.values():
+            for p in self.module.parameters():  # a tied parameter is listed once
+                stage = placement_of(p).stage
+                if stage is not None:
+                    comm.broadcast(p.data, self.ctx.group("pipeline"), src=stage)
+            for storage in storages_of(self.module.parameters()):
                 storage.params_loaded()  # sharded copies (ZeRO-1) follow the received values
         self._weights_stale = False
 
