@@ -1,14 +1,61 @@
 """tessera: train models too large or too slow for one device, with every form of parallelism
-woven into one system configured from a file."""
+woven into one system configured from a file.
 
-from tessera.config import Config, load_config
-from tessera.context import ParallelContext, ParallelDims, get_context
-from tessera.engine import Engine, Trainer
-from tessera.errors import CommError, CommTimeoutError, ConfigError, NotAvailableError, TesseraError
-from tessera.launch import launch, launch_from_openmpi, launch_from_slurm, launch_from_torch, shutdown
-from tessera.session import current_config, initialize
+The public names load on first use (PEP 562), so ``tessera --help`` and ``--version`` answer
+without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# public name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    "Config": "tessera.config",
+    "load_config": "tessera.config",
+    "ParallelContext": "tessera.context",
+    "ParallelDims": "tessera.context",
+    "get_context": "tessera.context",
+    "Engine": "tessera.engine",
+    "Trainer": "tessera.engine",
+    "CommError": "tessera.errors",
+    "CommTimeoutError": "tessera.errors",
+    "ConfigError": "tessera.errors",
+    "NotAvailableError": "tessera.errors",
+    "TesseraError": "tessera.errors",
+    "launch": "tessera.launcher",
+    "launch_from_openmpi": "tessera.launcher",
+    "launch_from_slurm": "tessera.launcher",
+    "launch_from_torch": "tessera.launcher",
+    "shutdown": "tessera.launcher",
+    "current_config": "tessera.session",
+    "initialize": "tessera.session",
+}
+
+if TYPE_CHECKING:
+    from tessera.config import Config, load_config
+    from tessera.context import ParallelContext, ParallelDims, get_context
+    from tessera.engine import Engine, Trainer
+    from tessera.errors import CommError, CommTimeoutError, ConfigError, NotAvailableError, TesseraError
+    from tessera.launcher import launch, launch_from_openmpi, launch_from_slurm, launch_from_torch, shutdown
+    from tessera.session import current_config, initialize
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tessera' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
 
 __all__ = [
     "CommError",

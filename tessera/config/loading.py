@@ -191,11 +191,27 @@ def _load_py(path: Path) -> dict[str, Any]:
     return {k: v for k, v in env.items() if not k.startswith("_")}
 
 
+def config_path(path: str | Path) -> Path:
+    """``path`` itself if it names a file; a relative path not found from the current folder is
+    looked for next to the running script (``python examples/train.py`` naming ``my_config.py``)."""
+    given = Path(path)
+    if given.is_file():
+        return given
+    tried = [given.resolve()]
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not given.is_absolute() and main_file:
+        beside = Path(main_file).resolve().parent / given
+        if beside.is_file():
+            return beside
+        if beside != tried[0]:
+            tried.append(beside)
+    where = " or ".join(str(t) for t in tried)
+    raise ConfigError(f"config file {str(path)!r} does not exist (looked for {where})")
+
+
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """Read a config file into plain data (not yet validated)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
+    path = config_path(path)
     suffix = path.suffix.lower()
     if suffix == ".py":
         return _load_py(path)

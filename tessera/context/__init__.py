@@ -1,7 +1,15 @@
 """Layer 2: the parallel layout (``ParallelDims``), its process groups (``ParallelContext``)
-and per-axis random streams."""
+and per-axis random streams.
 
-from tessera.context.context import ParallelContext, get_context, has_context, set_context
+``ParallelDims`` and its checks need no torch; the rest loads on first use (PEP 562), so the
+command line can validate a layout before torch is imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from tessera.context.dims import (
     BASE_AXES,
     TENSOR_MODES,
@@ -11,7 +19,29 @@ from tessera.context.dims import (
     group_tables,
     integer_root,
 )
-from tessera.context.rng import RNGStreams, seed_all
+
+_LAZY: dict[str, str] = {
+    "ParallelContext": "tessera.context.context",
+    "get_context": "tessera.context.context",
+    "has_context": "tessera.context.context",
+    "set_context": "tessera.context.context",
+    "RNGStreams": "tessera.context.rng",
+    "seed_all": "tessera.context.rng",
+}
+
+if TYPE_CHECKING:
+    from tessera.context.context import ParallelContext, get_context, has_context, set_context
+    from tessera.context.rng import RNGStreams, seed_all
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tessera.context' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "BASE_AXES",

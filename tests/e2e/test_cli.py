@@ -102,15 +102,21 @@ def test_launch_from_openmpi_environment(tmp_path):
     assert [(r["rank"], r["world"], r["sum"]) for r in rows] == [("0", "2", "3"), ("1", "2", "3")]
 
 
-def test_launch_from_torch_outside_torchrun_says_how_to_start(tmp_path):
+def test_launch_from_torch_outside_a_launcher_runs_as_a_world_of_one(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     config = tmp_path / "c.toml"
     config.write_text("seed = 3\n")
     out = subprocess.run([sys.executable, str(PROBE), "torch", str(config)], capture_output=True, text=True,
                          env=env, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert [(r["rank"], r["world"], r["sum"]) for r in results(out.stdout)] == [("0", "1", "1")]
+    assert "no launcher (RANK is not set): running as one process" in out.stderr
+    needs_two = tmp_path / "two.toml"
+    needs_two.write_text("[parallel]\ndata = 2\n")
+    out = subprocess.run([sys.executable, str(PROBE), "torch", str(needs_two)], capture_output=True, text=True,
+                         env=env, timeout=60)  # fmt: skip
     assert out.returncode != 0
-    assert "RANK is not set: this process was not started by torchrun" in out.stderr
-    assert "tessera run --nproc-per-node N" in out.stderr
-    missing = subprocess.run([sys.executable, str(PROBE), "torch", str(tmp_path / "nope.py")], capture_output=True,
-                             text=True, env=env, timeout=60)  # fmt: skip
-    assert "config file" in missing.stderr and "does not exist" in missing.stderr
+    assert "needs 2 processes" in out.stderr and "tessera run --nproc-per-node 2 launch_probe.py" in out.stderr
+    missing = subprocess.run([sys.executable, str(PROBE), "torch", "nope.py"], capture_output=True,
+                             text=True, env=env, timeout=60, cwd=tmp_path)  # fmt: skip
+    assert f"config file 'nope.py' does not exist (looked for {tmp_path / 'nope.py'} or " in missing.stderr

@@ -26,7 +26,7 @@ RANKS: dict[str, float] = {
     "data": 5.0,
     "config": 6.0,  # builds the options of the layers below from a config
     "session": 6.1,  # the current run: context, config, tessera.initialize
-    "launch": 6.2,
+    "launcher": 6.2,
     "__init__": 6.3,  # the public API (tessera.initialize, tessera.launch, ...)
     # applications of the public API
     "testing": 6.4,

@@ -1,24 +1,35 @@
 """Start the process group and the parallel context, from explicit arguments or from the
-environment that torchrun, Slurm or OpenMPI set.
+environment that torchrun, Slurm or OpenMPI set; outside any launcher, as a world of one.
 
 The config is loaded and validated, and the layout checked against the world size, before any
 process group starts: a bad config fails at once on every rank with the same message.
+``tessera run`` also starts the script once in a dry validation (``TESSERA_DRY_RUN``): the
+script's ``launch_from_torch`` then only checks its config against the world it will get,
+writes the verdict and ends the process, so a bad layout fails before any rank is spawned.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
+import socket
+import sys
 from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from tessera import comm
-from tessera.config import Config, ConfigSource, load_config, parallel_dims
+from tessera.config import Config, ConfigSource, load_config, parallel_dims, require_available
 from tessera.context import ParallelContext, seed_all
-from tessera.errors import ConfigError
+from tessera.errors import ConfigError, TesseraError
 from tessera.session import set_session
+
+# Set by ``tessera run`` for the ranks and for its dry validation (see the module docstring).
+CONFIG_ENV = "TESSERA_CONFIG"  # the config named by `tessera run --config`
+OVERRIDES_ENV = "TESSERA_OVERRIDES"  # JSON list of --set items, applied after the script's own
+DRY_RUN_ENV = "TESSERA_DRY_RUN"  # JSON {"world_size": N, "result": path}
 
 
 def resolve_backend(requested: str | None) -> str:
@@ -95,13 +106,26 @@ def _env_int(env: Mapping[str, str], *names: str, launcher: str) -> int:
     )
 
 
+def env_overrides(env: Mapping[str, str] | None = None) -> list[str]:
+    """The ``--set`` items that ``tessera run`` passes to every rank."""
+    text = (os.environ if env is None else env).get(OVERRIDES_ENV)
+    return list(json.loads(text)) if text else []
+
+
 def launch_from_torch(
     config: ConfigSource = None, *, backend: str | None = None, overrides: Sequence[str] = ()
 ) -> ParallelContext:
     """Launch from the environment torchrun (``tessera run``) sets: RANK, WORLD_SIZE,
-    LOCAL_RANK, MASTER_ADDR, MASTER_PORT."""
+    LOCAL_RANK, MASTER_ADDR, MASTER_PORT. Without them (``python my_train.py``) the process
+    runs as a world of one, on gloo or the first GPU."""
     env = os.environ
+    overrides = [*overrides, *env_overrides()]
+    config = _with_named_config(config, env.get(CONFIG_ENV))
+    if DRY_RUN_ENV in env:
+        _dry_validation(config, overrides, json.loads(env[DRY_RUN_ENV]))
     cfg = load_config(config, overrides)  # a bad config is reported before anything else
+    if "RANK" not in env and "WORLD_SIZE" not in env:
+        return launch_alone(cfg, backend=backend)
     return launch(
         cfg,
         rank=_env_int(env, "RANK", launcher="torchrun"),
@@ -111,6 +135,64 @@ def launch_from_torch(
         port=env.get("MASTER_PORT", "29500"),
         backend=backend,
     )
+
+
+def _with_named_config(config: ConfigSource, named: str | None) -> ConfigSource:
+    """The script's config, or the one ``tessera run --config`` named; both only if the same file."""
+    if named is None:
+        return config
+    if config is None:
+        return named
+    if isinstance(config, (str, os.PathLike)) and os.path.realpath(config) == os.path.realpath(named):
+        return config
+    raise ConfigError(
+        f"tessera run --config {named} names a config, and the script launches with its own ({config!r}): "
+        "drop one of them"
+    )
+
+
+def ranks_needed(cfg: Config) -> int:
+    """The smallest world ``cfg``'s layout fits: the product of its axis sizes."""
+    p = cfg.parallel
+    return (p.data or 1) * p.pipeline.size * p.tensor.size * p.sequence.size
+
+
+def launch_alone(cfg: Config, *, backend: str | None = None) -> ParallelContext:
+    """A world of one: this process is rank 0 of 1, on a free local port."""
+    needed = ranks_needed(cfg)
+    if needed > 1:
+        script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "script.py"
+        raise ConfigError(
+            f"this config's layout needs {needed} processes, and no launcher started this one (RANK is "
+            f"not set), so it runs alone: start it with `tessera run --nproc-per-node {needed} {script}`"
+        )
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    print(
+        "tessera: no launcher (RANK is not set): running as one process; "
+        "for more, `tessera run --nproc-per-node N script.py`",
+        file=sys.stderr,
+        flush=True,
+    )
+    return launch(cfg, rank=0, world_size=1, local_rank=0, port=port, backend=backend)
+
+
+def _dry_validation(config: ConfigSource, overrides: Sequence[str], request: Mapping[str, object]) -> None:
+    """Check the script's config against the world ``tessera run`` will start, write the verdict
+    to ``request["result"]`` and end this process (it was started only to be asked)."""
+    verdict: dict[str, object] = {"ok": True}
+    try:
+        cfg = load_config(config, overrides)
+        parallel_dims(cfg, int(str(request["world_size"])))
+        require_available(cfg)
+    except TesseraError as exc:
+        verdict = {"ok": False, "error": str(exc), "type": type(exc).__name__}
+    with open(str(request["result"]), "w") as out:
+        json.dump(verdict, out)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def launch_from_slurm(

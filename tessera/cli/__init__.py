@@ -1,4 +1,8 @@
-"""The ``tessera`` command: run, train, check, bench."""
+"""The ``tessera`` command: run, train, check, bench.
+
+Importing this module does not import torch: ``--help`` and ``--version`` answer at once, and
+``train`` checks its config and layout before torch is loaded.
+"""
 
 from __future__ import annotations
 
@@ -9,20 +13,6 @@ import sys
 from collections.abc import Sequence
 
 from tessera.errors import TesseraError
-
-RUN_USAGE = "usage: tessera run --nproc-per-node N [torchrun options] script.py [args]"
-
-
-def run_torchrun(argv: Sequence[str]) -> int:
-    """Hand everything after ``run`` to torchrun (torch.distributed.run), options and all."""
-    from torch.distributed.run import main as torchrun_main
-
-    if not argv or argv[0] in ("-h", "--help"):
-        print(RUN_USAGE + "\n\nEvery option is torchrun's; its own help follows.\n")
-        torchrun_main(["--help"])
-        return 0
-    torchrun_main(list(argv))
-    return 0
 
 
 def _smoke_all_reduce() -> float:
@@ -80,24 +70,20 @@ BENCH_TARGETS: dict[str, str] = {  # name -> "module:function"; each strategy ad
     "zero": "tessera.bench.zero:main",
 }
 
+# name -> what it measures, how long it takes on 2 CPU cores, what it needs
+BENCH_HELP: dict[str, str] = {
+    "dp": "data parallel vs torch DDP, 4 ranks, GPT tiny (about 40 s)",
+    "tp": "1D/2D/2.5D/3D tensor parallel vs torch parallelize_module, 4 and 8 ranks (about 50 s)",
+    "pp": "GPipe, 1F1B, interleaved, zero-bubble vs torch.distributed.pipelining, 2 and 4 ranks (about 1 min)",
+    "zero": "ZeRO 1-3 and offload vs torch FSDP2 and DeepSpeed, 4 ranks (about 4-5 min); the DeepSpeed rows "
+    "need the bench extra: pip install -e '.[bench]'",
+}
+
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    """Validate the config here, then start the ranks of ``tessera.train`` through torchrun."""
-    from tessera.config import check_model_layout, load_config, require_available
-    from tessera.train import default_run_dir
+    from tessera.cli.launching import cmd_train
 
-    cfg = load_config(args.config, args.set)  # a bad config fails before any process starts
-    check_model_layout(cfg)  # tessera train builds config.model, named or default
-    require_available(cfg)
-    nproc = args.nproc or cfg.launch.nproc_per_node
-    run_dir = args.output_dir or str(default_run_dir(cfg))
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    argv = ["--standalone", "--nproc-per-node", str(nproc), "-m", "tessera.train", "--run-dir", run_dir]
-    if args.config is not None:
-        argv.append(str(args.config))
-    for item in args.set:
-        argv += ["--set", item]
-    return run_torchrun(argv)
+    return cmd_train(args)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -118,17 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train models too large or too slow for one device: data, tensor, pipeline, "
         "sequence parallelism and ZeRO, configured from a file.",
     )
+    parser.add_argument("--version", action="version", version=f"tessera {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="{run,train,check,bench}")
     sub.required = True
 
-    run = sub.add_parser(
+    sub.add_parser(
         "run",
-        help="launch a script on several processes through torchrun",
-        description="Launch through torch.distributed.run (torchrun); every option is torchrun's, "
-        "multi-node ones included: tessera run --nproc-per-node N [--nnodes ...] script.py [args]",
+        help="launch a script on several processes (torchrun underneath): tessera run --nproc-per-node N script.py",
         add_help=False,
     )
-    run.add_argument("torchrun_args", nargs=argparse.REMAINDER)
 
     train = sub.add_parser("train", help="train a model from a config (default: the tiny GPT on 4 processes)")
     train.add_argument("config", nargs="?", default=None, help="config file (.py, .yaml, .toml, .json)")
@@ -139,31 +123,65 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a config value, e.g. --set parallel.data=2",
     )
-    train.add_argument("--nproc", type=int, default=None, help="local processes (default: launch.nproc_per_node, 4)")
+    train.add_argument(
+        "--nproc-per-node",
+        "--nproc",
+        dest="nproc_per_node",
+        type=int,
+        default=None,
+        metavar="N",
+        help="processes on this node (default: launch.nproc_per_node, 4)",
+    )
     train.add_argument("--output-dir", default=None, help="the run folder (default: trainer.output_dir/<time>-<model>)")
     train.set_defaults(func=_cmd_train)
 
     check = sub.add_parser("check", help="print the environment and run a 2-rank all-reduce")
     check.set_defaults(func=_cmd_check)
 
-    bench = sub.add_parser("bench", help="benchmarks against the anchor systems, measured in the same run")
-    bench.add_argument("target", choices=sorted(BENCH_TARGETS), help="what to measure: %(choices)s")
+    targets = "\n".join(f"  {name:6} {text}" for name, text in BENCH_HELP.items())
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks against the anchor systems, measured in the same run",
+        description="Each benchmark runs tessera and its anchor in the same rank pool, alternating "
+        "blocks of steps, and prints ratio = tessera / anchor (docs/benchmarks.md).",
+        epilog="targets:\n" + targets,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_argument("target", choices=sorted(BENCH_TARGETS), help="what to measure: %(choices)s (below)")
     bench.add_argument("--out", default=None, help="write the rows as JSON to this file")
     bench.add_argument("--ranks", type=int, default=None, help="world size (default: the benchmark's own)")
     bench.set_defaults(func=_cmd_bench)
     return parser
 
 
+def _version() -> str:
+    from tessera import __version__
+
+    return __version__
+
+
+def _cmd_run(argv: Sequence[str]) -> int:
+    from tessera.cli.launching import RUN_USAGE, cmd_run
+
+    if not argv or argv[0] in ("-h", "--help"):
+        from torch.distributed.run import get_args_parser
+
+        print(RUN_USAGE + "\n\ntorchrun's options follow.\n")
+        get_args_parser().print_help()
+        return 0
+    return cmd_run(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "run":  # argparse cannot pass options through untouched
-        return run_torchrun(argv[1:])
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    command = argv[0] if argv else ""
     try:
+        if command == "run":  # argparse cannot pass torchrun's options through untouched
+            return _cmd_run(argv[1:])
+        args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
     except TesseraError as exc:
-        print(f"tessera {args.command}: error: {exc}", file=sys.stderr)
+        print(f"tessera {command}: error: {exc}", file=sys.stderr)
         return 2
 
 
