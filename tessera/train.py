@@ -11,7 +11,6 @@ import argparse
 import dataclasses
 import json
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from torch.utils.data import DataLoader
 
 import tessera
 from tessera import comm
-from tessera.config import Config, OptimizerConfig
+from tessera.config import Config, OptimizerConfig, default_run_dir
 from tessera.data import byte_datasets
 from tessera.engine import (
     CheckpointHook,
@@ -53,11 +52,6 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
     if cfg.name == "adam":
         return torch.optim.Adam(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
-
-
-def default_run_dir(cfg: Config) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path(cfg.trainer.output_dir) / f"{stamp}-{cfg.model.name}-{cfg.model.preset}"
 
 
 def plot_losses(history: list[dict[str, Any]], path: Path) -> None:

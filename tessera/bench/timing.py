@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 
@@ -29,7 +30,13 @@ def alternate(
     (ABAB, then BABA) so that drift and noise fall on every side alike."""
     names = list(sides)
     times: dict[str, list[float]] = {name: [] for name in names}
+    every = max(1, blocks // 4)
     for block in range(blocks):
         for name in names if block % 2 == 0 else names[::-1]:
             times[name].append(time_block(sides[name], group, steps))
+        if group.rank == 0 and ((block + 1) % every == 0 or block + 1 == blocks):
+            latest = ", ".join(f"{name} {times[name][-1]:.4g} s/step" for name in names)
+            print(
+                f"  timed block {block + 1}/{blocks} on {len(group.ranks)} ranks: {latest}", file=sys.stderr, flush=True
+            )
     return times

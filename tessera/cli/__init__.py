@@ -94,6 +94,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.target not in BENCH_TARGETS:
         known = ", ".join(sorted(BENCH_TARGETS)) or "none yet"
         raise NotAvailableError(f"no benchmark named {args.target!r}; available: {known}")
+    print(f"tessera bench {args.target}: {BENCH_HELP[args.target]}", file=sys.stderr, flush=True)
     module, func = BENCH_TARGETS[args.target].split(":")
     return int(getattr(importlib.import_module(module), func)(args) or 0)
 

@@ -49,7 +49,7 @@ def check_world(config: Any, world_size: int, started: str) -> None:
     require_available(config)
 
 
-def default_run_dir(stem: str) -> Path:
+def script_run_dir(stem: str) -> Path:
     return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{stem}"
 
 
@@ -106,7 +106,7 @@ def report_failures(log_dir: Path, command: str, exit_codes: dict[int, int]) -> 
 
 def cmd_train(args: Any) -> int:
     """Validate the config and layout here, then start the ranks of ``tessera.train``."""
-    from tessera.config import check_model_layout, load_config
+    from tessera.config import check_model_layout, default_run_dir, load_config
 
     following = [args.config] if args.config is not None else []
     check_overrides(args.set, following)
@@ -115,7 +115,7 @@ def cmd_train(args: Any) -> int:
     nproc = args.nproc_per_node or cfg.launch.nproc_per_node
     given = "--nproc-per-node" if args.nproc_per_node else "launch.nproc_per_node; change it with --nproc-per-node"
     check_world(cfg, nproc, f"tessera train starts {nproc} processes: {given}")
-    run_dir = Path(args.output_dir) if args.output_dir else _train_run_dir(cfg)
+    run_dir = Path(args.output_dir) if args.output_dir else default_run_dir(cfg)
     argv = ["--standalone", "--nproc-per-node", str(nproc), "-m", "tessera.cli.rank", "--module", "tessera.train"]
     argv += ["--", "--run-dir", str(run_dir)]
     if args.config is not None:
@@ -123,11 +123,6 @@ def cmd_train(args: Any) -> int:
     for item in args.set:
         argv += ["--set", item]
     return start_ranks(argv, run_dir, "train", {})
-
-
-def _train_run_dir(cfg: Any) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path(cfg.trainer.output_dir) / f"{stamp}-{cfg.model.name}-{cfg.model.preset}"
 
 
 # ---- tessera run ------------------------------------------------------------------------------
@@ -255,7 +250,7 @@ def cmd_run(argv: Sequence[str]) -> int:
             raise ConfigError(f"{error} ({started})" if "world" in error else error)
     if not any(_option(torch_opts, flag) is not None or flag in torch_opts for flag in _WORLD_FLAGS):
         torch_opts.append("--standalone")  # one node: a free port, not a fixed 29500
-    run_dir = Path(ours["--run-dir"]) if "--run-dir" in ours else default_run_dir(Path(target[0]).stem)
+    run_dir = Path(ours["--run-dir"]) if "--run-dir" in ours else script_run_dir(Path(target[0]).stem)
     if "--no-python" in torch_opts:
         argv_out = [*torch_opts, *target]
     else:

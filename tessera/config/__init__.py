@@ -6,6 +6,7 @@ from tessera.config.loading import (
     apply_overrides,
     build,
     check_model_layout,
+    default_run_dir,
     load_config,
     parallel_dims,
     read_config_file,
@@ -34,6 +35,7 @@ from tessera.config.schema import (
 __all__ = [
     "CommConfig",
     "Config",
+    "default_run_dir",
     "ScheduleConfig",
     "OptimizerConfig",
     "ModelConfig",

@@ -292,6 +292,14 @@ def load_config(source: ConfigSource = None, overrides: Sequence[str] = ()) -> C
     return config
 
 
+def default_run_dir(config: Config) -> Path:
+    """The run folder of ``tessera train`` when none is given: trainer.output_dir/<time>-<model>."""
+    import time
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path(config.trainer.output_dir) / f"{stamp}-{config.model.name}-{config.model.preset}"
+
+
 def check_model_layout(config: Config) -> None:
     """Refuse a layout that the configured model (``config.model``) cannot take: more pipeline
     stages (times chunks) than the model has layers to give them."""

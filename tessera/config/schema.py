@@ -174,7 +174,7 @@ class CommConfig:
 class LaunchConfig:
     backend: Literal["auto", "gloo", "nccl"] = _field("auto", "auto: nccl when CUDA is present, else gloo.")
     intra_op_threads: int = _field(1, "CPU only: intra-op threads per rank; 0 keeps torch's default.")
-    nproc_per_node: int = _field(4, "Processes `tessera train` starts on this machine.")
+    nproc_per_node: int = _field(4, "Processes `tessera train` (and `tessera run --config`) starts on this machine.")
 
     def validate(self, path: str) -> None:
         if self.intra_op_threads < 0:
