@@ -66,6 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         record_failure(RuntimeError(str(exc.code)), Path(run_dir) / "logs", os.environ.get("RANK", "0"))
         return 1
+    except KeyboardInterrupt:
+        raise  # the user stopped the job: nothing to report
     except BaseException as exc:
         from tessera.errors import TesseraError
 
