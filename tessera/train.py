@@ -33,6 +33,7 @@ from tessera.engine import (
     ThroughputHook,
     Trainer,
 )
+from tessera.files import atomic_path, write_atomically
 from tessera.models import NextTokenLoss, gpt
 from tessera.optim import LAMB, LARS, lr_schedule
 
@@ -54,6 +55,12 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
 
 
+def write_run_config(cfg: Config, world_size: int, path: Path) -> None:
+    """The resolved config (every field, defaults included) and the world size, as JSON."""
+    resolved = {"world_size": world_size, **dataclasses.asdict(cfg)}
+    write_atomically(path, json.dumps(resolved, indent=2) + "\n")
+
+
 def plot_losses(history: list[dict[str, Any]], path: Path) -> None:
     """Write the training (and evaluation) loss curve as a PNG."""
     import matplotlib
@@ -73,7 +80,8 @@ def plot_losses(history: list[dict[str, Any]], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
     plt.close(fig)
 
 
@@ -98,8 +106,7 @@ def run(cfg: Config, run_dir: Path) -> list[dict[str, Any]]:
     assert train_loader is not None
     if ctx.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        resolved = {"world_size": ctx.world_size, **dataclasses.asdict(cfg)}
-        (run_dir / "config.json").write_text(json.dumps(resolved, indent=2) + "\n")
+        write_run_config(cfg, ctx.world_size, run_dir / "config.json")
         print(
             f"tessera train: {cfg.model.name}-{cfg.model.preset} ({model.num_parameters():,} parameters) on "
             f"{ctx.world_size} rank(s), {total} steps of {micro * ctx.size('data') * per_step} "

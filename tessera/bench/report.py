@@ -6,6 +6,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tessera.files import write_atomically
+
 
 @dataclass(frozen=True)
 class Row:
@@ -30,4 +32,4 @@ def print_rows(rows: list[Row]) -> None:
 
 
 def write_rows(rows: list[Row], path: str | Path) -> None:
-    Path(path).write_text(json.dumps([r.as_dict() for r in rows], indent=2) + "\n")
+    write_atomically(path, json.dumps([r.as_dict() for r in rows], indent=2) + "\n")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -15,6 +13,7 @@ from torch import nn
 from tessera import comm
 from tessera.context import ParallelContext
 from tessera.context.placement import Placement, ReleasableStorage, placement_of, storages_of
+from tessera.files import atomic_path
 from tessera.parallel.tensor.common import gather_full, local_shard
 
 
@@ -102,21 +101,16 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
 
 
 def save_weights(state: dict[str, torch.Tensor], path: str | Path) -> Path:
-    """Write ``state`` as safetensors atomically (a temporary file renamed into place).
+    """Write ``state`` as safetensors atomically (a temporary file renamed into place), with
+    the mode the umask gives (0644 under umask 022).
 
     Tensors that share storage (tied weights) are written as separate copies.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().clone() for k, v in state.items()}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp))
     return path
 
 

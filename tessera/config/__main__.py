@@ -4,7 +4,8 @@ import sys
 from pathlib import Path
 
 from tessera.config.reference import render_docs
+from tessera.files import write_atomically
 
 target = Path(sys.argv[1])
-target.write_text(render_docs(target.read_text()))
+write_atomically(target, render_docs(target.read_text()))
 print(f"wrote the config reference into {target}")

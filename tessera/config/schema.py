@@ -192,7 +192,9 @@ class TrainerConfig:
     eval_batches: int | None = _field(10, "Micro-batches per rank in one evaluation; None: the whole test set.")
     checkpoint_every: int | None = _field(None, "Save a checkpoint every this many steps; None: only at the end.")
     output_dir: str = _field("runs", "Folder under which each run writes its own folder.")
-    progress_bar: bool = _field(True, "Show a progress bar on rank 0.")
+    progress_bar: bool | Literal["auto"] = _field(
+        "auto", "A progress bar on rank 0: 'auto' only when stderr is a terminal (not in a log file), true, false."
+    )
 
     def validate(self, path: str) -> None:
         for name in ("steps", "eval_every", "eval_batches", "checkpoint_every"):

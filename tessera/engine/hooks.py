@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, TextIO
 
 import torch
 
@@ -187,16 +187,25 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def print_beside_bars(line: str) -> None:
+    """Print ``line`` to stderr; a progress bar drawn there is cleared first and redrawn after,
+    so the line never runs into it."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stderr)
+    sys.stderr.flush()
+
+
 class LogHook(Hook):
-    """Rank 0 prints the metrics every ``every`` steps and appends every step's metrics to a
-    JSON-lines file when ``jsonl`` is given."""
+    """Rank 0 prints the metrics every ``every`` steps (to stderr, beside any progress bar) and
+    appends every step's metrics to a JSON-lines file when ``jsonl`` is given."""
 
     priority = 90
 
     def __init__(self, every: int = 10, jsonl: str | Path | None = None, printer: Callable[[str], None] | None = None):
         self.every = every
         self.jsonl = Path(jsonl) if jsonl is not None else None
-        self.printer = printer or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.printer = printer or print_beside_bars
 
     def before_fit(self, trainer: Trainer) -> None:
         if self.jsonl is not None and _is_rank0(trainer):
@@ -223,20 +232,39 @@ class LogHook(Hook):
             self.printer("final " + " ".join(f"{k}={_fmt(v)}" for k, v in final.items()))
 
 
+ProgressBar = bool | Literal["auto"]
+
+
+def bar_wanted(enabled: ProgressBar, stream: TextIO) -> bool:
+    """Whether to draw a bar on ``stream``: always (True), never (False), or with "auto" only
+    when the stream is a terminal; in a log file a bar's carriage returns run into the lines."""
+    if enabled == "auto":
+        isatty = getattr(stream, "isatty", None)
+        return bool(isatty and isatty())
+    return bool(enabled)
+
+
 class ProgressBarHook(Hook):
-    """A tqdm progress bar on rank 0 with the loss in its postfix."""
+    """A tqdm progress bar on rank 0 with the loss in its postfix, drawn on ``stream`` (default:
+    stderr). ``enabled``: "auto" (a bar only when the stream is a terminal), True or False."""
 
     priority = 95
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: ProgressBar = "auto", stream: TextIO | None = None) -> None:
+        if enabled not in (True, False, "auto"):
+            raise ValueError(f"ProgressBarHook(enabled={enabled!r}): use True, False or 'auto'")
         self.enabled = enabled
+        self.stream = stream
         self.bar: Any = None
 
     def before_fit(self, trainer: Trainer) -> None:
-        if self.enabled and _is_rank0(trainer):
+        stream = self.stream if self.stream is not None else sys.stderr
+        if _is_rank0(trainer) and bar_wanted(self.enabled, stream):
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=trainer.max_steps, desc="train", unit="step", dynamic_ncols=True, mininterval=0.5)
+            self.bar = tqdm(
+                total=trainer.max_steps, desc="train", unit="step", file=stream, dynamic_ncols=True, mininterval=0.5
+            )
 
     def after_step(self, trainer: Trainer) -> None:
         if self.bar is not None:

@@ -15,6 +15,7 @@ def test_a_short_training_run_writes_the_run_folder(tmp_path):
     run_dir = tmp_path / "run"
     out = run([*tessera_cmd(), "train", "--nproc", "2", "--output-dir", str(run_dir),
                "--set", "trainer.steps=6", "--set", "trainer.eval_every=3", "--set", "trainer.log_every=3",
+               "--set", "trainer.progress_bar=true",  # stderr is a pipe here: "auto" would draw no bar
                "--set", "data.max_bytes=200000", "--set", "data.micro_batch_size=4"], timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     assert sorted(p.name for p in run_dir.iterdir()) == [

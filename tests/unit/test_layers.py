@@ -12,6 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "tessera"
 # itself). Layers 1-6 of the design; inside layer 3 and 4 the order of its parts.
 RANKS: dict[str, float] = {
     "errors": 0,
+    "files": 0,  # atomic writes with the umask's mode
     "comm": 1,
     "context": 2,
     "memory": 3.0,
