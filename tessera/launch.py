@@ -8,7 +8,10 @@ process group starts: a bad config fails at once on every rank with the same mes
 from __future__ import annotations
 
 import datetime
+import gc
 import os
+import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -152,12 +155,26 @@ def shutdown() -> None:
     """Leave the process group and forget the current context.
 
     Collective: every rank waits for the others first, because a gloo process that tears its
-    connections down while a peer still uses them aborts the peer.
+    connections down while a peer still uses them aborts the peer. Then tessera's objects let
+    go of their process groups before torch destroys them, so that each group's worker threads
+    are joined here, while Python still runs (see ``tessera.comm.group``).
     """
     if dist.is_initialized():
         comm.barrier(comm.AxisGroup("world", tuple(range(dist.get_world_size())), dist.get_rank(), dist.group.WORLD))
         set_session(None, None)
+        released = [weakref.ref(pg) for pg in comm.release_process_groups()]
         dist.destroy_process_group()
+        if any(ref() is not None for ref in released):
+            gc.collect()  # groups kept only by reference cycles
+        kept = sum(ref() is not None for ref in released)
+        if kept:
+            warnings.warn(
+                f"{kept} process group(s) are still referenced after tessera.shutdown(), so their gloo "
+                "worker threads outlive it and may abort the process at exit; drop other references "
+                "to process groups (such as ctx.group(axis).pg) before shutting down",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     set_session(None, None)
 
 
