@@ -11,10 +11,13 @@ writes the verdict and ends the process, so a bad layout fails before any rank i
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import socket
 import sys
+import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -234,12 +237,26 @@ def shutdown() -> None:
     """Leave the process group and forget the current context.
 
     Collective: every rank waits for the others first, because a gloo process that tears its
-    connections down while a peer still uses them aborts the peer.
+    connections down while a peer still uses them aborts the peer. Then tessera's objects let
+    go of their process groups before torch destroys them, so that each group's worker threads
+    are joined here, while Python still runs (see ``tessera.comm.group``).
     """
     if dist.is_initialized():
         comm.barrier(comm.AxisGroup("world", tuple(range(dist.get_world_size())), dist.get_rank(), dist.group.WORLD))
         set_session(None, None)
+        released = [weakref.ref(pg) for pg in comm.release_process_groups()]
         dist.destroy_process_group()
+        if any(ref() is not None for ref in released):
+            gc.collect()  # groups kept only by reference cycles
+        kept = sum(ref() is not None for ref in released)
+        if kept:
+            warnings.warn(
+                f"{kept} process group(s) are still referenced after tessera.shutdown(), so their gloo "
+                "worker threads outlive it and may abort the process at exit; drop other references "
+                "to process groups (such as ctx.group(axis).pg) before shutting down",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     set_session(None, None)
 
 

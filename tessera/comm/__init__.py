@@ -12,7 +12,7 @@ from tessera.comm.autograd import (
     split_forward_gather_backward,
 )
 from tessera.comm.flat import all_gather_into, reduce_scatter_into
-from tessera.comm.group import AxisGroup, single_rank_group
+from tessera.comm.group import AxisGroup, hold_process_group, release_process_groups, single_rank_group
 from tessera.comm.ledger import CommRecord, Ledger, ledger, logical_bytes
 from tessera.comm.ops import (
     Group,
@@ -62,6 +62,7 @@ __all__ = [
     "copy_forward_all_reduce_backward",
     "gather_forward_split_backward",
     "get_timeout",
+    "hold_process_group",
     "ledger",
     "logical_bytes",
     "recv",
@@ -69,6 +70,7 @@ __all__ = [
     "reduce_scatter",
     "reduce_scatter_forward_all_gather_backward",
     "reduce_scatter_into",
+    "release_process_groups",
     "resolve",
     "send",
     "set_axis_resolver",

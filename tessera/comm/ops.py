@@ -9,6 +9,7 @@ complete within the timeout raises :class:`CommTimeoutError` naming rank, op and
 from __future__ import annotations
 
 import datetime
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,17 +43,19 @@ def set_axis_resolver(resolver: Callable[[str], AxisGroup] | None) -> None:
 
 
 def resolve(group: Group) -> AxisGroup:
-    """Turn an axis name or an AxisGroup into an AxisGroup."""
-    if isinstance(group, AxisGroup):
-        return group
+    """Turn an axis name or an AxisGroup into an AxisGroup (one still open)."""
     if isinstance(group, str):
         if _resolver is None:
             raise CommError(
                 f"axis {group!r} given by name, but no parallel context is current; "
                 "call tessera.launch(...) first or pass ctx.group(axis)"
             )
-        return _resolver(group)
-    raise TypeError(f"expected an AxisGroup or an axis name, got {type(group).__name__}")
+        group = _resolver(group)
+    if not isinstance(group, AxisGroup):
+        raise TypeError(f"expected an AxisGroup or an axis name, got {type(group).__name__}")
+    if group.closed:
+        raise CommError(f"{group} was closed by tessera.shutdown(); launch again to communicate")
+    return group
 
 
 # ---- watchdog ------------------------------------------------------------------------------
@@ -83,14 +86,16 @@ def watchdog(seconds: float) -> Iterator[None]:
         set_timeout(previous)
 
 
-_gloo: dict[int, tuple[Any, bool]] = {}  # id(process group) -> (the group, whether it runs gloo)
+# id(process group) -> (a weak reference to the group, whether it runs gloo); weak, because a
+# process group kept alive past shutdown keeps its worker threads (see tessera.comm.group)
+_gloo: dict[int, tuple[weakref.ref[Any], bool]] = {}
 
 
 def _is_gloo(pg: Any) -> bool:
     """Whether ``pg`` runs gloo (asked of torch once per group: p2p calls ask per message)."""
     entry = _gloo.get(id(pg))
-    if entry is None or entry[0] is not pg:
-        entry = _gloo[id(pg)] = (pg, dist.get_backend(pg) == "gloo")
+    if entry is None or entry[0]() is not pg:
+        entry = _gloo[id(pg)] = (weakref.ref(pg), dist.get_backend(pg) == "gloo")
     return entry[1]
 
 

@@ -42,7 +42,7 @@ class ParallelContext:
         self.backend = dist.get_backend() if dist.is_initialized() else None
         self.coordinates = dims.coordinates(rank)
         self._groups: dict[AxisSpec, AxisGroup] = {}
-        self._pg_cache: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self._created: set[tuple[int, ...]] = set()  # member lists whose process group exists
         for axis in (*dims.axes, "world"):
             self._groups[axis] = self._build(axis)
         self.rng = RNGStreams(seed, dims, rank, self.device)
@@ -53,14 +53,14 @@ class ParallelContext:
         mine: tuple[int, ...] = (self.rank,)
         pg: dist.ProcessGroup | None = None
         for members in group_table(self.dims, axis):
-            if len(members) > 1:
-                if members not in self._pg_cache:
-                    if len(members) == self.world_size:
-                        self._pg_cache[members] = dist.group.WORLD  # type: ignore[assignment]
-                    else:
-                        self._pg_cache[members] = dist.new_group(list(members))
+            if len(members) > 1 and members not in self._created:
+                self._created.add(members)  # every rank creates every group, in the same order
+                made = dist.group.WORLD if len(members) == self.world_size else dist.new_group(list(members))
                 if self.rank in members:
-                    pg = self._pg_cache[members]
+                    pg = made
+            elif len(members) > 1 and self.rank in members:
+                # made for an earlier axis; only AxisGroups hold process groups (shutdown lets them go)
+                pg = next(g.pg for g in self._groups.values() if g.ranks == members)
             if self.rank in members:
                 mine = members
         return AxisGroup(name=_axis_name(axis), ranks=mine, rank=mine.index(self.rank), pg=pg)

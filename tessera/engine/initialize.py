@@ -16,10 +16,12 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from tessera.context import ParallelContext
+from tessera.context.placement import placement_of
 from tessera.engine.engine import Engine
 from tessera.engine.options import TrainingOptions
 from tessera.errors import ConfigError, NotAvailableError
 from tessera.parallel.data import AverageAtStep, DataParallel, distributed_loader
+from tessera.parallel.pipeline.partition import blocks_of
 from tessera.parallel.pipeline.stage import PipelineStage
 from tessera.parallel.pipeline.strategy import PipelineParallel
 from tessera.parallel.strategy import Strategy
@@ -68,6 +70,7 @@ def choose_strategy(
 ) -> Strategy:
     """The one place that maps a layout to a strategy: pipeline stages (with a replicated or a
     ZeRO-1 optimizer), ZeRO with its stage's policy, or DDP."""
+    check_model_fits_layout(model, ctx)
     if ctx.size("pipeline") > 1:
         stage = _pipeline_stage(model, criterion, ctx, options)  # cut before ZeRO packs the chunks
         gradients: Strategy = (
@@ -79,6 +82,49 @@ def choose_strategy(
     if options.zero is not None:
         return Zero(model, optimizer, ctx, options.zero)  # reduces gradients itself: no DDP
     return DataParallel(model, optimizer, ctx)
+
+
+def check_model_fits_layout(model: nn.Module, ctx: ParallelContext) -> None:
+    """Raise ConfigError when ``ctx``'s tensor or pipeline axis has more than one rank but
+    ``model`` gives it nothing to split: the ranks of that axis would all compute the same
+    thing, silently, instead of sharing the work."""
+    name = type(model).__name__
+    tensor = ctx.size("tensor")
+    if tensor > 1 and not any(_split_along_tensor(p, ctx) for p in model.parameters()):
+        raise ConfigError(
+            f"parallel.tensor.size={tensor}: {name} has no layer split along the tensor axis, so its "
+            f"{tensor} tensor ranks would all compute the same thing. Build the model from tessera.nn "
+            "layers (tessera.nn.Linear, Embedding, LayerNorm, ..., as tessera.models does), or set "
+            "parallel.tensor.size=1 and give the ranks to data parallelism (unmodified Hugging Face "
+            "models are not split by tensor parallelism yet)"
+        )
+    pipeline = ctx.size("pipeline")
+    if pipeline > 1 and not _has_pipeline_layers(model):
+        raise ConfigError(
+            f"parallel.pipeline.size={pipeline}: tessera cannot find the layers of {name} to cut into "
+            f"{pipeline} stages. Give the model a pipeline_layers() method returning its layers in "
+            "order from input to loss (as tessera.models does), make it an nn.Sequential, or keep its "
+            "blocks in an nn.ModuleList named 'blocks', 'layers' or 'h'; or set parallel.pipeline.size=1 "
+            "(unmodified Hugging Face models are not cut into stages yet)"
+        )
+
+
+def _split_along_tensor(param: torch.Tensor, ctx: ParallelContext) -> bool:
+    """Whether a tensor-parallel layer split ``param`` along (a sub-axis of) the tensor axis."""
+    placement = placement_of(param)
+    dims = (placement.mesh or ctx).dims
+    tensor = set(dims.varied_coordinates("tensor"))
+    return any(tensor & set(dims.varied_coordinates(axis)) for axis in placement.split_axes)
+
+
+def _has_pipeline_layers(model: nn.Module) -> bool:
+    if callable(getattr(model, "pipeline_layers", None)):
+        return True
+    try:
+        blocks_of(model)
+    except TypeError:
+        return False
+    return True
 
 
 def _pipeline_stage(

@@ -39,7 +39,15 @@ def wrap_data_parallel(model: nn.Module, group: AxisGroup, device: torch.device,
     device_ids = [device.index] if device.type == "cuda" else None
     ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=group.pg, **ddp_options)
     ddp.register_comm_hook(group, _bucket_all_reduce_hook)
+    comm.hold_process_group(ddp, _release_process_group)
     return ddp
+
+
+def _release_process_group(ddp: DistributedDataParallel) -> None:
+    """At ``tessera.shutdown()``: drop what holds the process group, as DDP's own pickling
+    does, so that the group (and its worker threads) can end before the interpreter."""
+    for name in ("logger", "reducer", "process_group"):
+        ddp.__dict__.pop(name, None)
 
 
 def distributed_loader(loader: DataLoader, group: AxisGroup, seed: int) -> DataLoader:
