@@ -113,17 +113,18 @@ def _run_activation_layer(s: Setup, parallel: nn.Module, reference: nn.Module, x
 # ---- bodies (run on every rank) ---------------------------------------------------------------
 
 
-def body_linear(layout, batch, seq, fin, fout):
+def body_linear(layout, batch, seq, fin, fout, **options):
+    """``options``: the layers' SUMMA ``form`` and ``keep_blocks`` (default: the layer's own)."""
     s = Setup(layout)
     torch.manual_seed(0)
     ref = nn.Linear(fin, fout)
-    _run_activation_layer(s, s.layer("Linear", fin, fout), ref, _rand(batch, seq, fin, seed=1))
+    _run_activation_layer(s, s.layer("Linear", fin, fout, **options), ref, _rand(batch, seq, fin, seed=1))
     # no sequence dimension, no bias
     ref = nn.Linear(fin, fout, bias=False)
-    _run_activation_layer(s, s.layer("Linear", fin, fout, bias=False), ref, _rand(batch, fin, seed=2))
+    _run_activation_layer(s, s.layer("Linear", fin, fout, bias=False, **options), ref, _rand(batch, fin, seed=2))
     # fused outputs (q, k, v): each part split on its own
     ref = nn.Linear(fin, 3 * fout)
-    fused = s.layer("Linear", fin, 3 * fout, out_groups=3)
+    fused = s.layer("Linear", fin, 3 * fout, out_groups=3, **options)
     _run_activation_layer(s, fused, ref, _rand(batch, seq, fin, seed=3), groups=3)
     return True
 
@@ -343,6 +344,42 @@ def body_linear_ledger(layout, batch, seq, fin, fout):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_linear_matches_torch(pools, shape):
     assert pools.run(4, body_linear, LAYOUT_2D, *shape) == [True] * 4
+
+
+# (batch, seq, in, out) with out < in: the layers' own choice is C = A B^T there
+NARROWING = [(4, 3, 12, 8), (5, 2, 21, 15)]
+
+
+@pytest.mark.parametrize("form", ["ab", "abt"])
+@pytest.mark.parametrize("shape", SHAPES + NARROWING)
+def test_linear_in_each_summa_form_matches_torch(pools, shape, form):
+    assert pools.run(4, body_linear, LAYOUT_2D, *shape, form=form) == [True] * 4
+
+
+def body_summa_forms(layout):
+    """The form each Linear takes by itself: the wider side stays put; the weight's blocks follow."""
+    s = Setup(layout)
+    row, col = s.hidden_axis, s.batch_axes[-1]
+    for fin, fout, form in ((8, 12, "ab"), (12, 12, "ab"), (12, 8, "abt"), (15, 13, "abt")):
+        layer = s.layer("Linear", fin, fout)
+        dims = ((row,), (col,)) if form == "ab" else ((col,), (row,))
+        assert (layer.form, spec_of(layer.weight).dims) == (form, dims), (fin, fout, layer.form)
+    emb = s.layer("VocabParallelEmbedding", 8, 16)
+    assert s.layer("VocabParallelClassifier", 16, 8).form == "abt"  # untied: the wider side stays
+    assert s.layer("VocabParallelClassifier", 16, 8, weight=emb.weight).form == "ab"  # as the embedding
+    with pytest.raises(ValueError, match="SUMMA form"):
+        s.layer("Linear", 4, 4, form="atb")
+    return True
+
+
+def test_each_linear_keeps_its_wider_side_put(pools):
+    assert pools.run(4, body_summa_forms, LAYOUT_2D) == [True] * 4
+
+
+@pytest.mark.parametrize("shape", [(4, 3, 16, 8)])
+def test_narrowing_classifiers_match_torch(pools, shape):
+    # hidden 16 > 8 classes: the untied vocabulary-parallel head runs as C = A B^T, the tied one as A B
+    assert pools.run(4, body_classifiers, LAYOUT_2D, *shape) == [True] * 4
 
 
 @pytest.mark.parametrize("shape", [(4, 3, 8), (5, 2, 15)])

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.dist.test_tp2d import (
+    NARROWING,
     SHAPES,
     body_classifiers,
     body_cross_entropy_2d_logits,
@@ -18,6 +19,7 @@ from tests.dist.test_tp2d import (
     body_linear_ledger,
     body_patch_embedding,
     body_split_gather,
+    body_summa_forms,
 )
 
 # (world size, layout)
@@ -27,14 +29,25 @@ LAYOUTS = [
 ]
 
 
-def _all_true(pools, world, body, *args):
-    assert pools.run(world, body, *args) == [True] * world
+def _all_true(pools, world, body, *args, **kwargs):
+    assert pools.run(world, body, *args, **kwargs) == [True] * world
 
 
 @pytest.mark.parametrize(("world", "layout"), LAYOUTS)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_linear_matches_torch(pools, world, layout, shape):
     _all_true(pools, world, body_linear, layout, *shape)
+
+
+@pytest.mark.parametrize("form", ["ab", "abt"])
+@pytest.mark.parametrize("shape", SHAPES + NARROWING)
+def test_linear_in_each_summa_form_matches_torch(pools, shape, form):
+    _all_true(pools, 8, body_linear, dict(tensor=8, mode="2.5d", depth=2), *shape, form=form)
+
+
+def test_each_linear_keeps_its_wider_side_put(pools):
+    _all_true(pools, 8, body_summa_forms, dict(tensor=8, mode="2.5d", depth=2))
+    _all_true(pools, 8, body_classifiers, dict(tensor=8, mode="2.5d", depth=2), 4, 3, 16, 8)
 
 
 @pytest.mark.parametrize(("world", "layout"), LAYOUTS)
