@@ -192,10 +192,12 @@ class _TiedLM(nn.Module):
         return self.head(self.norm(self.emb(ids)))
 
 
-def body_classifiers(layout, batch, seq, hidden, classes):
+def body_classifiers(layout, batch, seq, hidden, classes, keep_blocks=None):
     """Classifier + CrossEntropyLoss and VocabParallelClassifier + VocabParallelCrossEntropyLoss
-    against Linear + torch CE; the tied embedding/head pair against a tied reference."""
+    against Linear + torch CE; the tied embedding/head pair against a tied reference.
+    ``keep_blocks``: the vocabulary-parallel heads' (default: the layer's own)."""
     s = Setup(layout)
+    keep = {} if keep_blocks is None else {"keep_blocks": keep_blocks}
     targets = _ids(batch, seq, classes, seed=12)
     targets[0, 0] = -100  # an ignored target
     ce = nn.CrossEntropyLoss()
@@ -206,7 +208,7 @@ def body_classifiers(layout, batch, seq, hidden, classes):
         for bias in (True, False):
             torch.manual_seed(2)
             ref = nn.Linear(hidden, classes, bias=bias)
-            par = s.layer(name, hidden, classes, bias=bias)
+            par = s.layer(name, hidden, classes, bias=bias, **(keep if name != "Classifier" else {}))
             load_full_state_dict(par, ref.state_dict())
             x_full = _rand(batch, seq, hidden, seed=13)
             x_ref = x_full.clone().requires_grad_()
@@ -234,7 +236,7 @@ def body_classifiers(layout, batch, seq, hidden, classes):
     ref_lm = _TiedLM(nn.Embedding(vocab, hidden), nn.LayerNorm(hidden), nn.Linear(hidden, vocab, bias=False))
     ref_lm.head.weight = ref_lm.emb.weight
     emb = s.layer("VocabParallelEmbedding", vocab, hidden)
-    head = s.layer("VocabParallelClassifier", hidden, vocab, weight=emb.weight)
+    head = s.layer("VocabParallelClassifier", hidden, vocab, weight=emb.weight, **keep)
     par_lm = _TiedLM(emb, s.layer("LayerNorm", hidden), head)
     assert par_lm.head.weight is par_lm.emb.weight
     load_full_state_dict(par_lm, ref_lm.state_dict())
@@ -350,10 +352,11 @@ def test_linear_matches_torch(pools, shape):
 NARROWING = [(4, 3, 12, 8), (5, 2, 21, 15)]
 
 
+@pytest.mark.parametrize("keep", [False, True], ids=["rebroadcast", "keep_blocks"])
 @pytest.mark.parametrize("form", ["ab", "abt"])
 @pytest.mark.parametrize("shape", SHAPES + NARROWING)
-def test_linear_in_each_summa_form_matches_torch(pools, shape, form):
-    assert pools.run(4, body_linear, LAYOUT_2D, *shape, form=form) == [True] * 4
+def test_linear_in_each_summa_form_matches_torch(pools, shape, form, keep):
+    assert pools.run(4, body_linear, LAYOUT_2D, *shape, form=form, keep_blocks=keep) == [True] * 4
 
 
 def body_summa_forms(layout):
@@ -376,10 +379,11 @@ def test_each_linear_keeps_its_wider_side_put(pools):
     assert pools.run(4, body_summa_forms, LAYOUT_2D) == [True] * 4
 
 
-@pytest.mark.parametrize("shape", [(4, 3, 16, 8)])
-def test_narrowing_classifiers_match_torch(pools, shape):
+@pytest.mark.parametrize("keep", [False, True], ids=["rebroadcast", "keep_blocks"])
+@pytest.mark.parametrize("shape", [(4, 3, 8, 16), (4, 3, 16, 8)])
+def test_vocab_parallel_heads_in_each_form_match_torch(pools, shape, keep):
     # hidden 16 > 8 classes: the untied vocabulary-parallel head runs as C = A B^T, the tied one as A B
-    assert pools.run(4, body_classifiers, LAYOUT_2D, *shape) == [True] * 4
+    assert pools.run(4, body_classifiers, LAYOUT_2D, *shape, keep_blocks=keep) == [True] * 4
 
 
 @pytest.mark.parametrize("shape", [(4, 3, 8), (5, 2, 15)])

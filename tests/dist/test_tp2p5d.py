@@ -39,15 +39,20 @@ def test_linear_matches_torch(pools, world, layout, shape):
     _all_true(pools, world, body_linear, layout, *shape)
 
 
+DEPTH2 = dict(tensor=8, mode="2.5d", depth=2)
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["rebroadcast", "keep_blocks"])
 @pytest.mark.parametrize("form", ["ab", "abt"])
 @pytest.mark.parametrize("shape", SHAPES + NARROWING)
-def test_linear_in_each_summa_form_matches_torch(pools, shape, form):
-    _all_true(pools, 8, body_linear, dict(tensor=8, mode="2.5d", depth=2), *shape, form=form)
+def test_linear_in_each_summa_form_matches_torch(pools, shape, form, keep):
+    _all_true(pools, 8, body_linear, DEPTH2, *shape, form=form, keep_blocks=keep)
 
 
 def test_each_linear_keeps_its_wider_side_put(pools):
-    _all_true(pools, 8, body_summa_forms, dict(tensor=8, mode="2.5d", depth=2))
-    _all_true(pools, 8, body_classifiers, dict(tensor=8, mode="2.5d", depth=2), 4, 3, 16, 8)
+    _all_true(pools, 8, body_summa_forms, DEPTH2)
+    for keep in (False, True):  # hidden 16 > 8 classes: the untied head runs as C = A B^T
+        _all_true(pools, 8, body_classifiers, DEPTH2, 4, 3, 16, 8, keep_blocks=keep)
 
 
 @pytest.mark.parametrize(("world", "layout"), LAYOUTS)
