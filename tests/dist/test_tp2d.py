@@ -305,6 +305,43 @@ def body_dropout(layout):
     return mask, after
 
 
+def body_summa_products(layout):
+    """The three SUMMA products on matrices blocked over the grid (rank (i, j) holds block
+    (i, j)), forward and both gradients, with the received blocks sent again or kept."""
+    from tessera.parallel.tensor import summa
+    from tessera.parallel.tensor.tp2d import grid_2d
+
+    s = Setup(layout)
+    grid = grid_2d(s.ctx)
+    spec = lambda t: ShardSpec(tuple(t.shape), ((grid.col.name,), (grid.row.name,)))  # noqa: E731
+    block = lambda t: local_shard(t.detach(), spec(t), s.ctx)  # noqa: E731
+    m, k, n = 6, 8, 10
+    cases = {  # name: (product, A's shape, B's shape, reference)
+        "ab": (summa.matmul_ab, (m, k), (k, n), lambda a, b: a @ b),
+        "abt": (summa.matmul_abt, (m, k), (n, k), lambda a, b: a @ b.t()),
+        "atb": (summa.matmul_atb, (k, m), (k, n), lambda a, b: a.t() @ b),
+    }
+    for seed, (name, (product, a_shape, b_shape, reference)) in enumerate(cases.items()):
+        a, b = _rand(*a_shape, seed=30 + seed).requires_grad_(), _rand(*b_shape, seed=40 + seed).requires_grad_()
+        c = reference(a, b)
+        upstream = _rand(*c.shape, seed=50 + seed)
+        (c * upstream).sum().backward()
+        plain = {"ab": summa.summa_ab, "abt": summa.summa_abt, "atb": summa.summa_atb}[name]
+        _close(plain(block(a), block(b), grid.row, grid.col), block(c), f"{name} without autograd")
+        for keep in (False, True):
+            a_blk, b_blk = block(a).requires_grad_(), block(b).requires_grad_()
+            c_blk = product(a_blk, b_blk, grid.row, grid.col, keep=keep)
+            _close(c_blk, block(c), f"{name} keep={keep}")
+            (c_blk * block(upstream)).sum().backward()
+            _close(a_blk.grad, block(a.grad), f"{name} keep={keep} dA")
+            _close(b_blk.grad, block(b.grad), f"{name} keep={keep} dB")
+    return True
+
+
+def test_summa_products_and_their_gradients_match_torch(pools):
+    assert pools.run(4, body_summa_products, LAYOUT_2D) == [True] * 4
+
+
 def body_linear_ledger(layout, batch, seq, fin, fout):
     """Logical bytes of one Linear forward + backward per (op, axis), against the formula."""
     s = Setup(layout)
