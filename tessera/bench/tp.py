@@ -175,13 +175,23 @@ def _timing(tokens: int, blocks: int, steps: int) -> tuple[int, int]:
 
 def _measure(cases: list[tuple[str, int, dict[str, Any]]], world: int, batch: int, seq: int, blocks: int,
              steps: int, pool: Any) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Each case of this world size on ``pool``, or with ``pool`` None on a pool of its own (large
+    batches: processes keep the memory of earlier cases, and eight of them share the machine)."""
+    from tessera.testing import RankPool
+
     measured = {}
     for name, size, layout in cases:
         if size != world:
             continue
         print(f"  {name} tp{world} b{batch}x{seq}", file=sys.stderr, flush=True)
         with_torch = layout["mode"] == "1d"
-        measured[name] = pool.run(_rank_body, layout, batch, seq, blocks, steps, with_torch, timeout=3600)[0]
+        own = RankPool(world) if pool is None else None
+        try:
+            runner = own or pool
+            measured[name] = runner.run(_rank_body, layout, batch, seq, blocks, steps, with_torch, timeout=3600)[0]
+        finally:
+            if own is not None:
+                own.close()
     return measured
 
 
@@ -273,7 +283,8 @@ def run(
         try:
             for count in sizes:
                 n_blocks, n_steps = (blocks, steps) if tokens is None else _timing(count, blocks, steps)
-                measured = _measure(cases, world, count // seq, seq, n_blocks, n_steps, pool)
+                shared = pool if count <= 1024 else None
+                measured = _measure(cases, world, count // seq, seq, n_blocks, n_steps, shared)
                 rows += _rows(measured, world, count // seq, seq, params=count == sizes[0])
         finally:
             pool.close()
