@@ -74,7 +74,7 @@ BENCH_TARGETS: dict[str, str] = {  # name -> "module:function"; each strategy ad
 BENCH_HELP: dict[str, str] = {
     "dp": "data parallel vs torch DDP, 4 ranks, GPT tiny (about 40 s)",
     "tp": "1D/2D/2.5D/3D tensor parallel vs torch parallelize_module, 4 and 8 ranks (about 50 s; "
-    "--tokens 128,1024,4096,16384: about 40 min)",
+    "--tokens 128,1024,4096,16384: about 35 min)",
     "pp": "GPipe, 1F1B, interleaved, zero-bubble vs torch.distributed.pipelining, 2 and 4 ranks (about 1 min)",
     "zero": "ZeRO 1-3 and offload vs torch FSDP2 and DeepSpeed, 4 ranks (about 4-5 min); the DeepSpeed rows "
     "need the bench extra: pip install -e '.[bench]'",

@@ -36,6 +36,7 @@ def use_layout(
     Collective the first time: every rank of the pool must ask for the same layout. With
     ``config`` (anything ``load_config`` takes) that config becomes the current run's, as after
     ``tessera.launch``; its ``parallel`` section must describe the same layout.
+    ``sequence_parallel`` and ``keep_blocks`` left None are the config's (False without one).
     ``device`` is where the context puts models and batches (``tessera.launch`` picks the
     rank's GPU under NCCL); one process can thus train on ``"cuda:0"`` without a process group.
     """
