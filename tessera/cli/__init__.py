@@ -73,7 +73,8 @@ BENCH_TARGETS: dict[str, str] = {  # name -> "module:function"; each strategy ad
 # name -> what it measures, how long it takes on 2 CPU cores, what it needs
 BENCH_HELP: dict[str, str] = {
     "dp": "data parallel vs torch DDP, 4 ranks, GPT tiny (about 40 s)",
-    "tp": "1D/2D/2.5D/3D tensor parallel vs torch parallelize_module, 4 and 8 ranks (about 50 s)",
+    "tp": "1D/2D/2.5D/3D tensor parallel vs torch parallelize_module, 4 and 8 ranks (about 50 s; "
+    "--tokens 128,1024,4096,16384: about 35 min)",
     "pp": "GPipe, 1F1B, interleaved, zero-bubble vs torch.distributed.pipelining, 2 and 4 ranks (about 1 min)",
     "zero": "ZeRO 1-3 and offload vs torch FSDP2 and DeepSpeed, 4 ranks (about 4-5 min); the DeepSpeed rows "
     "need the bench extra: pip install -e '.[bench]'",
@@ -89,11 +90,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
-    from tessera.errors import NotAvailableError
+    from tessera.errors import ConfigError, NotAvailableError
 
     if args.target not in BENCH_TARGETS:
         known = ", ".join(sorted(BENCH_TARGETS)) or "none yet"
         raise NotAvailableError(f"no benchmark named {args.target!r}; available: {known}")
+    if getattr(args, "tokens", None) is not None and args.target != "tp":
+        raise ConfigError(f"--tokens applies to `tessera bench tp` only, not {args.target!r}")
     print(f"tessera bench {args.target}: {BENCH_HELP[args.target]}", file=sys.stderr, flush=True)
     module, func = BENCH_TARGETS[args.target].split(":")
     return int(getattr(importlib.import_module(module), func)(args) or 0)
@@ -151,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("target", choices=sorted(BENCH_TARGETS), help="what to measure: %(choices)s (below)")
     bench.add_argument("--out", default=None, help="write the rows as JSON to this file")
     bench.add_argument("--ranks", type=int, default=None, help="world size (default: the benchmark's own)")
+    bench.add_argument(
+        "--tokens",
+        default=None,
+        help="tp: token counts (batch x sequence) to sweep, comma-separated, e.g. 128,1024,4096,16384: "
+        "every mode with keep_blocks off and on, and the token count past which each moves fewer bytes than 1D",
+    )
     bench.set_defaults(func=_cmd_bench)
     return parser
 

@@ -331,6 +331,7 @@ def parallel_dims(config: Config, world_size: int) -> ParallelDims:
         tensor_mode=p.tensor.mode,
         tensor_depth=p.tensor.depth,
         sequence_parallel=p.tensor.sequence_parallel,
+        keep_blocks=p.tensor.keep_blocks,
     )
 
 

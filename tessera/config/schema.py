@@ -35,9 +35,15 @@ class TensorConfig:
     sequence_parallel: bool = _field(
         False, "1d only: keep activations outside the tensor-parallel matmuls split along the sequence."
     )
+    keep_blocks: bool = _field(
+        False,
+        "2d, 2.5d, 3d: keep what each Linear received in the forward for its backward (2d/2.5d: the q SUMMA "
+        "blocks of its weight and of its input or output; 3d: its gathered weight) instead of moving it again: "
+        "fewer bytes moved, more activation memory. Off, 3d gathers its weight again in backward.",
+    )
 
     def validate(self, path: str) -> None:
-        check_tensor_layout(self.size, self.mode, self.depth, self.sequence_parallel)
+        check_tensor_layout(self.size, self.mode, self.depth, self.sequence_parallel, self.keep_blocks)
 
 
 @dataclass(frozen=True)

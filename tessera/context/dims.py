@@ -59,9 +59,11 @@ def integer_root(value: int, power: int) -> int | None:
     return None
 
 
-def check_tensor_layout(size: int, mode: str, depth: int = 1, sequence_parallel: bool = False) -> None:
+def check_tensor_layout(
+    size: int, mode: str, depth: int = 1, sequence_parallel: bool = False, keep_blocks: bool = False
+) -> None:
     """Raise ConfigError unless ``size`` ranks can run tensor mode ``mode`` with ``depth`` (and
-    ``sequence_parallel``). The one place the tensor mode is validated: the config schema and
+    ``sequence_parallel``, ``keep_blocks``). The one place the tensor mode is validated: the config schema and
     :class:`ParallelDims` call it, and the registry of modes (``tessera.parallel.tensor.modes``)
     has exactly the modes of :data:`TENSOR_MODES`."""
     if mode not in TENSOR_MODES:
@@ -95,6 +97,11 @@ def check_tensor_layout(size: int, mode: str, depth: int = 1, sequence_parallel:
         )
     if sequence_parallel and mode != "1d":
         raise ConfigError(f"parallel.tensor.sequence_parallel=True needs mode '1d' (mode is {mode!r})")
+    if keep_blocks and mode == "1d":
+        raise ConfigError(
+            "parallel.tensor.keep_blocks=True keeps the weight and activation blocks that modes '2d', '2.5d' "
+            "and '3d' move in the forward; mode '1d' moves none"
+        )
 
 
 @dataclass(frozen=True)
@@ -112,6 +119,7 @@ class ParallelDims:
     tensor_mode: str = "1d"
     tensor_depth: int = 1
     sequence_parallel: bool = False  # 1D only: activations outside Col -> Row regions split along the sequence
+    keep_blocks: bool = False  # 2D, 2.5D, 3D: keep the blocks a Linear's forward received for its backward
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -120,7 +128,7 @@ class ParallelDims:
             value = getattr(self, name)
             if value < 1:
                 raise ConfigError(f"parallel.{name} size {value} must be at least 1")
-        check_tensor_layout(self.tensor, self.tensor_mode, self.tensor_depth, self.sequence_parallel)
+        check_tensor_layout(self.tensor, self.tensor_mode, self.tensor_depth, self.sequence_parallel, self.keep_blocks)
         model = self.pipeline * self.sequence * self.tensor
         sizes = f"pipeline={self.pipeline} x sequence={self.sequence} x tensor={self.tensor}"
         if self.data is None:

@@ -26,6 +26,7 @@ def use_layout(
     mode: str = "1d",
     depth: int = 1,
     sequence_parallel: bool | None = None,
+    keep_blocks: bool | None = None,
     seed: int = 42,
     config: Any = None,
     device: str | torch.device = "cpu",
@@ -35,6 +36,7 @@ def use_layout(
     Collective the first time: every rank of the pool must ask for the same layout. With
     ``config`` (anything ``load_config`` takes) that config becomes the current run's, as after
     ``tessera.launch``; its ``parallel`` section must describe the same layout.
+    ``sequence_parallel`` and ``keep_blocks`` left None are the config's (False without one).
     ``device`` is where the context puts models and batches (``tessera.launch`` picks the
     rank's GPU under NCCL); one process can thus train on ``"cuda:0"`` without a process group.
     """
@@ -42,8 +44,11 @@ def use_layout(
     cfg = load_config(config) if config is not None else None
     if sequence_parallel is None:  # taken from the config when it has one
         sequence_parallel = cfg is not None and cfg.parallel.tensor.sequence_parallel
-    dims = ParallelDims(world, data, pipeline, sequence, tensor, mode, depth, sequence_parallel)
-    groups_key = dataclasses.replace(dims, sequence_parallel=False)  # the same process groups either way
+    if keep_blocks is None:
+        keep_blocks = cfg is not None and cfg.parallel.tensor.keep_blocks
+    dims = ParallelDims(world, data, pipeline, sequence, tensor, mode, depth, sequence_parallel, keep_blocks)
+    # the same process groups whatever the layers' options
+    groups_key = dataclasses.replace(dims, sequence_parallel=False, keep_blocks=False)
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

@@ -113,17 +113,18 @@ def _run_activation_layer(s: Setup, parallel: nn.Module, reference: nn.Module, x
 # ---- bodies (run on every rank) ---------------------------------------------------------------
 
 
-def body_linear(layout, batch, seq, fin, fout):
+def body_linear(layout, batch, seq, fin, fout, **options):
+    """``options``: the layers' SUMMA ``form`` and ``keep_blocks`` (default: the layer's own)."""
     s = Setup(layout)
     torch.manual_seed(0)
     ref = nn.Linear(fin, fout)
-    _run_activation_layer(s, s.layer("Linear", fin, fout), ref, _rand(batch, seq, fin, seed=1))
+    _run_activation_layer(s, s.layer("Linear", fin, fout, **options), ref, _rand(batch, seq, fin, seed=1))
     # no sequence dimension, no bias
     ref = nn.Linear(fin, fout, bias=False)
-    _run_activation_layer(s, s.layer("Linear", fin, fout, bias=False), ref, _rand(batch, fin, seed=2))
+    _run_activation_layer(s, s.layer("Linear", fin, fout, bias=False, **options), ref, _rand(batch, fin, seed=2))
     # fused outputs (q, k, v): each part split on its own
     ref = nn.Linear(fin, 3 * fout)
-    fused = s.layer("Linear", fin, 3 * fout, out_groups=3)
+    fused = s.layer("Linear", fin, 3 * fout, out_groups=3, **options)
     _run_activation_layer(s, fused, ref, _rand(batch, seq, fin, seed=3), groups=3)
     return True
 
@@ -191,10 +192,12 @@ class _TiedLM(nn.Module):
         return self.head(self.norm(self.emb(ids)))
 
 
-def body_classifiers(layout, batch, seq, hidden, classes):
+def body_classifiers(layout, batch, seq, hidden, classes, keep_blocks=None):
     """Classifier + CrossEntropyLoss and VocabParallelClassifier + VocabParallelCrossEntropyLoss
-    against Linear + torch CE; the tied embedding/head pair against a tied reference."""
+    against Linear + torch CE; the tied embedding/head pair against a tied reference.
+    ``keep_blocks``: the vocabulary-parallel heads' (default: the layer's own)."""
     s = Setup(layout)
+    keep = {} if keep_blocks is None else {"keep_blocks": keep_blocks}
     targets = _ids(batch, seq, classes, seed=12)
     targets[0, 0] = -100  # an ignored target
     ce = nn.CrossEntropyLoss()
@@ -205,7 +208,7 @@ def body_classifiers(layout, batch, seq, hidden, classes):
         for bias in (True, False):
             torch.manual_seed(2)
             ref = nn.Linear(hidden, classes, bias=bias)
-            par = s.layer(name, hidden, classes, bias=bias)
+            par = s.layer(name, hidden, classes, bias=bias, **(keep if name != "Classifier" else {}))
             load_full_state_dict(par, ref.state_dict())
             x_full = _rand(batch, seq, hidden, seed=13)
             x_ref = x_full.clone().requires_grad_()
@@ -233,7 +236,7 @@ def body_classifiers(layout, batch, seq, hidden, classes):
     ref_lm = _TiedLM(nn.Embedding(vocab, hidden), nn.LayerNorm(hidden), nn.Linear(hidden, vocab, bias=False))
     ref_lm.head.weight = ref_lm.emb.weight
     emb = s.layer("VocabParallelEmbedding", vocab, hidden)
-    head = s.layer("VocabParallelClassifier", hidden, vocab, weight=emb.weight)
+    head = s.layer("VocabParallelClassifier", hidden, vocab, weight=emb.weight, **keep)
     par_lm = _TiedLM(emb, s.layer("LayerNorm", hidden), head)
     assert par_lm.head.weight is par_lm.emb.weight
     load_full_state_dict(par_lm, ref_lm.state_dict())
@@ -302,6 +305,43 @@ def body_dropout(layout):
     return mask, after
 
 
+def body_summa_products(layout):
+    """The three SUMMA products on matrices blocked over the grid (rank (i, j) holds block
+    (i, j)), forward and both gradients, with the received blocks sent again or kept."""
+    from tessera.parallel.tensor import summa
+    from tessera.parallel.tensor.tp2d import grid_2d
+
+    s = Setup(layout)
+    grid = grid_2d(s.ctx)
+    spec = lambda t: ShardSpec(tuple(t.shape), ((grid.col.name,), (grid.row.name,)))  # noqa: E731
+    block = lambda t: local_shard(t.detach(), spec(t), s.ctx)  # noqa: E731
+    m, k, n = 6, 8, 10
+    cases = {  # name: (product, A's shape, B's shape, reference)
+        "ab": (summa.matmul_ab, (m, k), (k, n), lambda a, b: a @ b),
+        "abt": (summa.matmul_abt, (m, k), (n, k), lambda a, b: a @ b.t()),
+        "atb": (summa.matmul_atb, (k, m), (k, n), lambda a, b: a.t() @ b),
+    }
+    for seed, (name, (product, a_shape, b_shape, reference)) in enumerate(cases.items()):
+        a, b = _rand(*a_shape, seed=30 + seed).requires_grad_(), _rand(*b_shape, seed=40 + seed).requires_grad_()
+        c = reference(a, b)
+        upstream = _rand(*c.shape, seed=50 + seed)
+        (c * upstream).sum().backward()
+        plain = {"ab": summa.summa_ab, "abt": summa.summa_abt, "atb": summa.summa_atb}[name]
+        _close(plain(block(a), block(b), grid.row, grid.col), block(c), f"{name} without autograd")
+        for keep in (False, True):
+            a_blk, b_blk = block(a).requires_grad_(), block(b).requires_grad_()
+            c_blk = product(a_blk, b_blk, grid.row, grid.col, keep=keep)
+            _close(c_blk, block(c), f"{name} keep={keep}")
+            (c_blk * block(upstream)).sum().backward()
+            _close(a_blk.grad, block(a.grad), f"{name} keep={keep} dA")
+            _close(b_blk.grad, block(b.grad), f"{name} keep={keep} dB")
+    return True
+
+
+def test_summa_products_and_their_gradients_match_torch(pools):
+    assert pools.run(4, body_summa_products, LAYOUT_2D) == [True] * 4
+
+
 def body_linear_ledger(layout, batch, seq, fin, fout):
     """Logical bytes of one Linear forward + backward per (op, axis), against the formula."""
     s = Setup(layout)
@@ -343,6 +383,44 @@ def body_linear_ledger(layout, batch, seq, fin, fout):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_linear_matches_torch(pools, shape):
     assert pools.run(4, body_linear, LAYOUT_2D, *shape) == [True] * 4
+
+
+# (batch, seq, in, out) with out < in: the layers' own choice is C = A B^T there
+NARROWING = [(4, 3, 12, 8), (5, 2, 21, 15)]
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["rebroadcast", "keep_blocks"])
+@pytest.mark.parametrize("form", ["ab", "abt"])
+@pytest.mark.parametrize("shape", SHAPES + NARROWING)
+def test_linear_in_each_summa_form_matches_torch(pools, shape, form, keep):
+    assert pools.run(4, body_linear, LAYOUT_2D, *shape, form=form, keep_blocks=keep) == [True] * 4
+
+
+def body_summa_forms(layout):
+    """The form each Linear takes by itself: the wider side stays put; the weight's blocks follow."""
+    s = Setup(layout)
+    row, col = s.hidden_axis, s.batch_axes[-1]
+    for fin, fout, form in ((8, 12, "ab"), (12, 12, "ab"), (12, 8, "abt"), (15, 13, "abt")):
+        layer = s.layer("Linear", fin, fout)
+        dims = ((row,), (col,)) if form == "ab" else ((col,), (row,))
+        assert (layer.form, spec_of(layer.weight).dims) == (form, dims), (fin, fout, layer.form)
+    emb = s.layer("VocabParallelEmbedding", 8, 16)
+    assert s.layer("VocabParallelClassifier", 16, 8).form == "abt"  # untied: the wider side stays
+    assert s.layer("VocabParallelClassifier", 16, 8, weight=emb.weight).form == "ab"  # as the embedding
+    with pytest.raises(ValueError, match="SUMMA form"):
+        s.layer("Linear", 4, 4, form="atb")
+    return True
+
+
+def test_each_linear_keeps_its_wider_side_put(pools):
+    assert pools.run(4, body_summa_forms, LAYOUT_2D) == [True] * 4
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["rebroadcast", "keep_blocks"])
+@pytest.mark.parametrize("shape", [(4, 3, 8, 16), (4, 3, 16, 8)])
+def test_vocab_parallel_heads_in_each_form_match_torch(pools, shape, keep):
+    # hidden 16 > 8 classes: the untied vocabulary-parallel head runs as C = A B^T, the tied one as A B
+    assert pools.run(4, body_classifiers, LAYOUT_2D, *shape, keep_blocks=keep) == [True] * 4
 
 
 @pytest.mark.parametrize("shape", [(4, 3, 8), (5, 2, 15)])

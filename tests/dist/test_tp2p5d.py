@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.dist.test_tp2d import (
+    NARROWING,
     SHAPES,
     body_classifiers,
     body_cross_entropy_2d_logits,
@@ -18,6 +19,7 @@ from tests.dist.test_tp2d import (
     body_linear_ledger,
     body_patch_embedding,
     body_split_gather,
+    body_summa_forms,
 )
 
 # (world size, layout)
@@ -27,14 +29,30 @@ LAYOUTS = [
 ]
 
 
-def _all_true(pools, world, body, *args):
-    assert pools.run(world, body, *args) == [True] * world
+def _all_true(pools, world, body, *args, **kwargs):
+    assert pools.run(world, body, *args, **kwargs) == [True] * world
 
 
 @pytest.mark.parametrize(("world", "layout"), LAYOUTS)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_linear_matches_torch(pools, world, layout, shape):
     _all_true(pools, world, body_linear, layout, *shape)
+
+
+DEPTH2 = dict(tensor=8, mode="2.5d", depth=2)
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["rebroadcast", "keep_blocks"])
+@pytest.mark.parametrize("form", ["ab", "abt"])
+@pytest.mark.parametrize("shape", SHAPES + NARROWING)
+def test_linear_in_each_summa_form_matches_torch(pools, shape, form, keep):
+    _all_true(pools, 8, body_linear, DEPTH2, *shape, form=form, keep_blocks=keep)
+
+
+def test_each_linear_keeps_its_wider_side_put(pools):
+    _all_true(pools, 8, body_summa_forms, DEPTH2)
+    for keep in (False, True):  # hidden 16 > 8 classes: the untied head runs as C = A B^T
+        _all_true(pools, 8, body_classifiers, DEPTH2, 4, 3, 16, 8, keep_blocks=keep)
 
 
 @pytest.mark.parametrize(("world", "layout"), LAYOUTS)

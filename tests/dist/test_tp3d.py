@@ -139,15 +139,17 @@ def _run_activation_layer(
 # ---- bodies (run on every rank) ---------------------------------------------------------------
 
 
-def body_linear(batch, seq, fin, fout):
+def body_linear(batch, seq, fin, fout, **options):
+    """``options``: the layers' ``keep_blocks`` (default: the layer's own, the gathered weight kept)."""
     s = Setup()
     torch.manual_seed(0)
-    _run_activation_layer(s, s.layer("Linear", fin, fout), nn.Linear(fin, fout), _rand(batch, seq, fin, seed=1))
+    par = s.layer("Linear", fin, fout, **options)
+    _run_activation_layer(s, par, nn.Linear(fin, fout), _rand(batch, seq, fin, seed=1))
     # no sequence dimension, no bias
     ref = nn.Linear(fin, fout, bias=False)
-    _run_activation_layer(s, s.layer("Linear", fin, fout, bias=False), ref, _rand(batch, fin, seed=2))
+    _run_activation_layer(s, s.layer("Linear", fin, fout, bias=False, **options), ref, _rand(batch, fin, seed=2))
     # fused outputs (q, k, v): each part split on its own
-    fused = s.layer("Linear", fin, 3 * fout, out_groups=3)
+    fused = s.layer("Linear", fin, 3 * fout, out_groups=3, **options)
     _run_activation_layer(s, fused, nn.Linear(fin, 3 * fout), _rand(batch, seq, fin, seed=3), groups=3)
     return True
 
@@ -237,10 +239,12 @@ class _TiedLM(nn.Module):
         return self.head(self.norm(self.emb(ids)))
 
 
-def body_classifiers(batch, seq, hidden, classes):
+def body_classifiers(batch, seq, hidden, classes, keep_blocks=None):
     """Classifier + CrossEntropyLoss and VocabParallelClassifier + VocabParallelCrossEntropyLoss
-    against Linear + torch CE; tied embedding/head pairs against tied references."""
+    against Linear + torch CE; tied embedding/head pairs against tied references.
+    ``keep_blocks``: the vocabulary-parallel heads' (default: the layer's own)."""
     s = Setup()
+    keep = {} if keep_blocks is None else {"keep_blocks": keep_blocks}
     targets = _ids(batch, seq, classes, seed=12)
     targets[0, 0] = -100  # an ignored target
     ce = nn.CrossEntropyLoss()
@@ -252,7 +256,7 @@ def body_classifiers(batch, seq, hidden, classes):
         for bias in (True, False):
             torch.manual_seed(2)
             ref = nn.Linear(hidden, classes, bias=bias)
-            par = s.layer(name, hidden, classes, bias=bias)
+            par = s.layer(name, hidden, classes, bias=bias, **(keep if name != "Classifier" else {}))
             load_full_state_dict(par, ref.state_dict())
             x_full = _rand(batch, seq, hidden, seed=13)
             x_ref = x_full.clone().requires_grad_()
@@ -283,7 +287,8 @@ def body_classifiers(batch, seq, hidden, classes):
         ref_lm = _TiedLM(nn.Embedding(classes, hidden), nn.LayerNorm(hidden), nn.Linear(hidden, classes, bias=False))
         ref_lm.head.weight = ref_lm.emb.weight
         emb = s.layer(emb_name, classes, hidden)
-        head = s.layer(head_name, hidden, classes, bias=False, weight=emb.weight)
+        head_keep = keep if head_name != "Classifier" else {}
+        head = s.layer(head_name, hidden, classes, bias=False, weight=emb.weight, **head_keep)
         par_lm = _TiedLM(emb, s.layer("LayerNorm", hidden), head)
         assert par_lm.head.weight is par_lm.emb.weight
         load_full_state_dict(par_lm, ref_lm.state_dict())
@@ -447,6 +452,16 @@ def test_linear_blocks_line_up_with_the_activation_blocks():
 @pytest.mark.parametrize("shape", LINEAR_SHAPES)
 def test_linear_matches_torch(pools, shape):
     assert pools.run(RANKS, body_linear, *shape) == [True] * RANKS
+
+
+@pytest.mark.parametrize("shape", LINEAR_SHAPES)
+def test_linear_regathering_its_weight_in_backward_matches_torch(pools, shape):
+    assert pools.run(RANKS, body_linear, *shape, keep_blocks=False) == [True] * RANKS
+
+
+@pytest.mark.parametrize("shape", [(4, 3, 16, 16), (5, 2, 30, 50)])
+def test_vocab_parallel_heads_regathering_their_weight_match_torch(pools, shape):
+    assert pools.run(RANKS, body_classifiers, *shape, keep_blocks=False) == [True] * RANKS
 
 
 @pytest.mark.parametrize("hidden", [16, 31, 29])

@@ -27,12 +27,17 @@ LAYOUTS = {
     "2d-tp4": (4, dict(tensor=4, mode="2d")),
     "2.5d-tp8-d2": (8, dict(tensor=8, mode="2.5d", depth=2)),
     "3d-tp8": (8, dict(tensor=8, mode="3d")),
+    # the blocks each Linear received in the forward kept for its backward (3D: the gathered weight)
+    "2d-tp4-keep": (4, dict(tensor=4, mode="2d", keep_blocks=True)),
+    "2.5d-tp8-d2-keep": (8, dict(tensor=8, mode="2.5d", depth=2, keep_blocks=True)),
+    "3d-tp8-keep": (8, dict(tensor=8, mode="3d", keep_blocks=True)),
 }
 
 
 def config_for(layout: dict) -> dict:
     tensor = {"size": layout.get("tensor", 1), "mode": layout.get("mode", "1d"), "depth": layout.get("depth", 1),
-              "sequence_parallel": layout.get("sequence_parallel", False)}  # fmt: skip
+              "sequence_parallel": layout.get("sequence_parallel", False),
+              "keep_blocks": layout.get("keep_blocks", False)}  # fmt: skip
     return {"parallel": {"data": layout.get("data"), "tensor": tensor}}
 
 
@@ -40,6 +45,7 @@ def context_for(layout: dict | None):
     layout = dict(layout or {})
     config = config_for(layout)
     layout.pop("sequence_parallel", None)
+    layout.pop("keep_blocks", None)
     return use_layout(**layout, config=config)
 
 

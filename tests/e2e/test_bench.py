@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
+
 from tessera.bench import dp, pp, tp, zero
-from tessera.bench.report import write_rows
+from tessera.bench.report import Row, write_rows
 
 FIELDS = {"name", "metric", "value", "anchor", "anchor_value", "ratio"}
 
@@ -32,6 +34,33 @@ def test_bench_tp_rows(tmp_path):
     fractions = {row["name"].split()[2]: row["ratio"] for row in data if row["metric"] == "param_bytes"}
     # the memory columns, 1/P and 1/q^2, plus the small replicated norms and biases
     assert 0.25 <= fractions["1d"] < 0.251 and 0.25 <= fractions["2d"] < 0.251
+
+
+def test_bench_tp_token_sweep_gives_the_crossover_against_1d(tmp_path):
+    rows = tp.run(seq=4, blocks=1, steps=1, ranks=4, tokens=[16, 64])
+    data = check(rows, tmp_path, {"step_time_s", "activation_bytes", "comm_bytes", "crossover_tokens"})
+    names = {row["name"] for row in data if row["metric"] == "comm_bytes"}
+    assert names == {f"block h1024 {case} tp4 b{b}x4" for case in ("1d", "2d", "2d-keep") for b in (4, 16)}
+    crossing = {row["name"]: row["value"] for row in data if row["metric"] == "crossover_tokens"}
+    # the ledger formulas (tests/dist/test_tp_ledger.py) on this block: weight term / (1D's - 2D's bytes per token)
+    assert crossing.keys() == {"block h1024 2d tp4", "block h1024 2d-keep tp4"}
+    assert abs(crossing["block h1024 2d tp4"] - 37_775_360 / (24_576 - 11_280)) < 1e-6
+    assert abs(crossing["block h1024 2d-keep tp4"] - 25_192_448 / (24_576 - 8_208)) < 1e-6
+    kept = {row["name"].split()[2]: row["value"] for row in data if row["metric"] == "activation_bytes"}
+    assert kept["2d-keep"] > kept["2d"]  # the blocks kept for backward
+
+
+def test_tp_crossover_rows_come_from_the_comm_rows():
+    def comm(case, batch, value):
+        return Row(f"block h1024 {case} tp8 b{batch}x32", "comm_bytes", value, "tessera 1d tp8", 1)
+
+    rows = [comm("1d", b, 1000 * b * 32) for b in (4, 32, 128)]  # 1D: 1000 bytes per token
+    rows += [comm("3d", b, 500_000 + 500 * b * 32) for b in (4, 32, 128)]  # crosses at 1000 tokens
+    rows += [comm("2.5d-d2", b, 2000 * b * 32) for b in (4, 32, 128)]  # never below 1D
+    (row,) = tp.crossover_rows(rows)
+    assert (row.name, row.metric, row.value, row.anchor_value) == ("block h1024 3d tp8", "crossover_tokens", 1000, 1028)
+    with pytest.raises(ValueError, match="off the line"):
+        tp.crossover_rows([*rows[:5], comm("3d", 128, 1)])
 
 
 def test_bench_pp_rows(tmp_path):

@@ -62,6 +62,7 @@ def test_launch_fails_on_a_bad_config_before_any_process_group():
         (dict(size=4, mode="1d", depth=2), "only used by mode '2.5d'"),
         (dict(size=4, mode="4d"), "allowed: '1d', '2d', '2.5d', '3d'"),
         (dict(size=4, mode="2d", sequence_parallel=True), "needs mode '1d'"),
+        (dict(size=4, mode="1d", keep_blocks=True), "keep_blocks=True keeps .* mode '1d' moves none"),
     ],
 )
 def test_tensor_rules_are_named(tensor, rule):
@@ -214,3 +215,11 @@ def test_config_object_passes_through():
     cfg = Config()
     assert load_config(cfg) is cfg
     assert load_config(cfg, ["seed=7"]).seed == 7
+
+
+def test_keep_blocks_reaches_the_layout_from_the_config():
+    # off by default; the layers read it from ParallelDims, as sequence_parallel
+    assert parallel_dims(load_config({"parallel": {"tensor": dict(size=4, mode="2d")}}), 4).keep_blocks is False
+    for tensor in (dict(size=4, mode="2d"), dict(size=8, mode="2.5d", depth=2), dict(size=8, mode="3d")):
+        cfg = load_config({"parallel": {"tensor": dict(tensor, keep_blocks=True)}})
+        assert parallel_dims(cfg, tensor["size"]).keep_blocks is True

@@ -4,7 +4,8 @@ Every entry has the same signature in every mode, so ``tessera.nn`` dispatches b
 (``MODES[ctx.dims.tensor_mode].linear(...)``, :mod:`tessera.parallel.tensor.modes`). Arguments
 that only one mode uses are taken by every mode and ignored by the others: 1D picks a row- or
 column-parallel linear from ``input_is_parallel`` and reads sequence parallelism from
-``ctx.dims.sequence_parallel``. Each entry takes the context explicitly; ``ctx`` is None only
+``ctx.dims.sequence_parallel``; the grid modes read ``ctx.dims.keep_blocks`` for their Linears.
+Each entry takes the context explicitly; ``ctx`` is None only
 for the single-rank mode (no context at all).
 """
 
@@ -154,7 +155,9 @@ def grid_mode(
         out_groups: int = 1,
         ctx: ParallelContext | None,
     ) -> nn.Module:
-        return layers["Linear"](in_features, out_features, bias, out_groups=out_groups, ctx=need(ctx))
+        ctx = need(ctx)
+        keep = ctx.dims.keep_blocks
+        return layers["Linear"](in_features, out_features, bias, out_groups=out_groups, keep_blocks=keep, ctx=ctx)
 
     def layer_norm(
         normalized_shape: int, eps: float = 1e-5, bias: bool = True, *, ctx: ParallelContext | None
@@ -177,7 +180,11 @@ def grid_mode(
         in_features: int, num_classes: int, bias: bool, *, weight: nn.Parameter | None = None,
         ctx: ParallelContext | None,
     ) -> nn.Module:  # fmt: skip
-        return layers["VocabParallelClassifier"](in_features, num_classes, bias, weight=weight, ctx=need(ctx))
+        ctx = need(ctx)
+        keep = ctx.dims.keep_blocks
+        return layers["VocabParallelClassifier"](
+            in_features, num_classes, bias, weight=weight, keep_blocks=keep, ctx=ctx
+        )
 
     def patch_embedding(
         img_size: int, patch_size: int, in_chans: int, embed_size: int, *, ctx: ParallelContext | None

@@ -9,8 +9,13 @@ dropped by :func:`gather_activation`; the hidden padding units stay zero in ever
 
 Parameters (torch layouts; a ``ShardSpec`` lists the axes splitting each dimension):
 
-* ``Linear.weight [out, in]``: out by ``2d_row`` (block j), in by ``2d_col`` (block i). ``Y = X W^T``
-  is SUMMA ``C = A B`` with ``B = W^T``, and rank (i, j) holds ``B_ij`` (transposed).
+* ``Linear.weight [out, in]``, in one of two SUMMA forms chosen per layer when it is built
+  (:func:`linear_form`): ``"ab"``, ``Y = X W^T`` as ``C = A B`` with ``B = W^T`` (rank (i, j) holds
+  ``W[out block j, in block i]``: out by ``2d_row``, in by ``2d_col``; the output stays and ``X``
+  and ``W`` move) or ``"abt"``, as ``C = A B^T`` with ``B = W`` (rank (i, j) holds
+  ``W[out block i, in block j]``: out by ``2d_col``, in by ``2d_row``; the input stays and ``Y``
+  and ``W`` move). Either way the tensor is the single-process ``[out, in]`` cut into blocks, so
+  full state dicts do not change.
 * ``Linear.bias``, ``LayerNorm`` and ``PatchEmbedding`` parameters: their embedding dimension by
   ``2d_row``, replicated over ``2d_col`` (gradients summed over it: its ranks see other batch rows).
 * ``Embedding`` / ``Classifier`` tables ``[V, h]``: rows by ``2d_col``, hidden by ``2d_row`` (1/q^2
@@ -19,14 +24,23 @@ Parameters (torch layouts; a ``ShardSpec`` lists the axes splitting each dimensi
 * ``VocabParallelEmbedding`` / ``VocabParallelClassifier`` ``[V, h]``: as ``Linear.weight``, so the
   head can be tied to the embedding; the head is a SUMMA linear.
 
-Linear cost (Optimus): with ``X`` this rank's input block ``[b/q * s, in/q]``, ``W`` its weight
-block ``[out/q, in/q]`` and ``|.|`` bytes, forward and backward move per rank
+Linear cost: with ``X`` this rank's input block ``[b/q * s, in/q]``, ``Y`` its output block
+``[b/q * s, out/q]``, ``W`` its weight block ``[out/q, in/q]`` and ``|.|`` bytes, forward and
+backward move per rank (``summa.py`` has the steps)
 
-* ``2d_row``: broadcast ``2 (q-1) |X|`` (X_il in the forward and for dW), reduce ``(q-1) |X|`` (dX);
-* ``2d_col``: broadcast ``2 (q-1) |W|`` (W_lj in the forward and for dX), reduce ``(q-1) |W|`` (dW);
-  all-reduce ``2 (q-1)/q |bias|`` (the bias gradient over the batch blocks),
+=================  =========================================  =========================================
+form, keep_blocks  ``2d_row``                                 ``2d_col``
+=================  =========================================  =========================================
+ab, off (Optimus)  broadcast 2 (q-1) |X|, reduce (q-1) |X|    broadcast 2 (q-1) |W|, reduce (q-1) |W|
+ab, on             broadcast (q-1) |X|, reduce (q-1) |X|      broadcast (q-1) |W|, reduce (q-1) |W|
+abt, off           reduce (q-1) |Y|, broadcast (q-1) |Y|      broadcast 2 (q-1) |W|, reduce (q-1) |W|
+abt, on            reduce (q-1) |Y|, broadcast (q-1) |Y|      broadcast (q-1) |W|, reduce (q-1) |W|
+=================  =========================================  =========================================
 
-in all ``3 (q-1) (|X| + |W|) + 2 (q-1)/q |bias|`` (see ``summa.py`` for the steps).
+plus the all-reduce ``2 (q-1)/q |bias|`` of the bias gradient over ``2d_col`` (the batch blocks).
+So "ab" costs ``3 (q-1) (|X| + |W|)`` and "abt" ``(q-1) (2 |Y| + 3 |W|)`` (with ``keep_blocks``
+``2 (q-1) (|X| + |W|)`` and ``2 (q-1) (|Y| + |W|)``): the weight term is the same in both, so
+the form is chosen from ``in`` and ``out`` alone, whatever the batch (:func:`linear_form`).
 
 The functions here and the layers (:mod:`tessera.parallel.tensor.tp2d.layers`) are written
 against a :class:`~tessera.parallel.tensor.grid.SummaGrid`, so 2.5D (``tp2p5d/``) reuses them
@@ -67,6 +81,7 @@ __all__ = [
     "hidden_spec",
     "layer_norm",
     "linear",
+    "linear_form",
     "mask_padded_classes",
     "mean_over_batch",
     "patch_embedding",
@@ -87,9 +102,29 @@ def grid_2d(ctx: ParallelContext) -> SummaGrid:
 # ---- functional core (any SUMMA grid) --------------------------------------------------------
 
 
-def summa_weight_spec(grid: SummaGrid, out_features: int, in_features: int, out_groups: int = 1) -> ShardSpec:
-    """``[out, in]`` with out split along the grid row (block j), in along the column (block i)."""
-    return ShardSpec((out_features, in_features), ((grid.row.name,), (grid.col.name,)), (out_groups, 1))
+FORMS = ("ab", "abt")
+
+
+def summa_weight_spec(
+    grid: SummaGrid, out_features: int, in_features: int, out_groups: int = 1, form: str = "ab"
+) -> ShardSpec:
+    """``[out, in]`` for SUMMA form ``form``: "ab" splits out along the grid row (block j) and in
+    along the column (block i); "abt" the other way round."""
+    if form not in FORMS:
+        raise ValueError(f"SUMMA form {form!r} is not one of {FORMS}")
+    dims = ((grid.row.name,), (grid.col.name,)) if form == "ab" else ((grid.col.name,), (grid.row.name,))
+    return ShardSpec((out_features, in_features), dims, (out_groups, 1))
+
+
+def linear_form(in_local: int, out_local: int) -> str:
+    """The SUMMA form of a Linear whose blocks are ``in_local`` and ``out_local`` wide (padded,
+    per rank): the wider side stays put, "abt" (the input stays) when ``out < in`` and "ab" (the
+    output stays, Optimus) otherwise. Both forms move the weight alike, so the batch does not
+    enter: with ``keep_blocks`` this is the form that moves fewer bytes; without it "abt"
+    (``2 |Y|`` against ``3 |X|``, its backward sharing one broadcast) would also win for
+    ``out < 1.5 in``, a margin this rule leaves, so that one rule serves both settings and a
+    layer with ``out >= in`` keeps the Optimus form."""
+    return "abt" if out_local < in_local else "ab"
 
 
 def table_spec(grid: SummaGrid, rows: int, hidden: int) -> ShardSpec:
@@ -113,11 +148,24 @@ def check_hidden(x: torch.Tensor, full: int, grid: SummaGrid, what: str) -> None
         )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grid: SummaGrid) -> torch.Tensor:
-    """``[b/(dq), (s,) in/q]`` -> ``[b/(dq), (s,) out/q]`` by SUMMA ``C = A B``: ``A`` the input,
-    ``B = W^T`` (``weight`` is this rank's ``[out/q (block j), in/q (block i)]``)."""
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    grid: SummaGrid,
+    form: str = "ab",
+    keep_blocks: bool = False,
+) -> torch.Tensor:
+    """``[b/(dq), (s,) in/q]`` -> ``[b/(dq), (s,) out/q]`` by SUMMA with ``A`` the input: ``C = A B``
+    with ``B = W^T`` (form "ab": ``weight`` is this rank's ``[out/q (block j), in/q (block i)]``) or
+    ``C = A B^T`` with ``B = W`` (form "abt": ``[out/q (block i), in/q (block j)]``).
+    ``keep_blocks``: keep the blocks received in the forward for the backward."""
     w = sum_grad_over(weight, grid.dep)  # each grid computes its share of dW
-    y = summa.matmul_ab(x.reshape(-1, x.shape[-1]), w.t(), grid.row, grid.col)
+    a = x.reshape(-1, x.shape[-1])
+    if form == "ab":
+        y = summa.matmul_ab(a, w.t(), grid.row, grid.col, keep=keep_blocks)
+    else:
+        y = summa.matmul_abt(a, w, grid.row, grid.col, keep=keep_blocks)
     y = y.view(*x.shape[:-1], y.shape[-1])
     if bias is not None:
         y = y + sum_grad_over(bias, *grid.weight_replicas)

@@ -27,6 +27,7 @@ from tessera.parallel.tensor.tp2d.functional import (
     hidden_spec,
     layer_norm,
     linear,
+    linear_form,
     mask_padded_classes,
     patch_embedding,
     summa_weight_spec,
@@ -64,9 +65,12 @@ class _GridLayer(nn.Module):
 
 
 class Linear2D(_GridLayer):
-    """``y = x W^T + b``: ``[b/q, (s,) in/q]`` -> ``[b/q, (s,) out/q]`` by SUMMA; ``weight``
-    ``[out, in]`` keeps block ``(j, i)``, ``bias [out]`` block ``j``. With ``out_groups`` fused
-    outputs the local output is this rank's block of each part, side by side."""
+    """``y = x W^T + b``: ``[b/q, (s,) in/q]`` -> ``[b/q, (s,) out/q]`` by SUMMA; ``bias [out]``
+    keeps block ``j``, ``weight [out, in]`` block ``(j, i)`` in form "ab" (the output stays put)
+    or ``(i, j)`` in form "abt" (the input stays put). ``form`` None keeps the wider side put
+    (``functional.linear_form``: "abt" when ``out < in``); ``keep_blocks`` keeps the blocks
+    received in the forward for the backward (fewer bytes, more activation memory). With
+    ``out_groups`` fused outputs the local output is this rank's block of each part, side by side."""
 
     def __init__(
         self,
@@ -75,15 +79,21 @@ class Linear2D(_GridLayer):
         bias: bool = True,
         *,
         out_groups: int = 1,
+        form: str | None = None,
+        keep_blocks: bool = False,
         ctx: ParallelContext,
     ) -> None:
         super().__init__(ctx)
         self.in_features, self.out_features, self.out_groups = in_features, out_features, out_groups
+        self.keep_blocks = keep_blocks
+        if form is None:
+            out_local, in_local = summa_weight_spec(self.grid, out_features, in_features, out_groups).local_shape(ctx)
+            form = linear_form(in_local, out_local)
+        self.form = form
         full = torch.empty(out_features, in_features)
         nn.init.kaiming_uniform_(full, a=math.sqrt(5))  # as torch.nn.Linear
-        self.weight = shard_parameter(
-            full, summa_weight_spec(self.grid, out_features, in_features, out_groups), self.ctx
-        )
+        spec = summa_weight_spec(self.grid, out_features, in_features, out_groups, form)
+        self.weight = shard_parameter(full, spec, self.ctx)
         self.bias: nn.Parameter | None = None
         if bias:
             bound = 1 / math.sqrt(in_features) if in_features > 0 else 0.0
@@ -92,12 +102,12 @@ class Linear2D(_GridLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_hidden(x, self.in_features, self.grid, type(self).__name__)
-        return linear(x, self.weight, self.bias, self.grid)
+        return linear(x, self.weight, self.bias, self.grid, self.form, self.keep_blocks)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"out_groups={self.out_groups}"
+            f"out_groups={self.out_groups}, form={self.form}, keep_blocks={self.keep_blocks}"
         )
 
 
@@ -202,8 +212,9 @@ class Classifier2D(_GridLayer):
 class VocabParallelClassifier2D(Linear2D):
     """``[b/q, (s,) h/q]`` -> logits ``[b/q, (s,) C/q]`` split over the classes as the hidden
     dimension is: a :class:`Linear2D` (``weight [C, h]`` may be a
-    :class:`VocabParallelEmbedding2D`'s, tied). Padded classes get the dtype's lowest logit, so a
-    softmax or :class:`VocabParallelCrossEntropyLoss2D` gives them no probability or gradient."""
+    :class:`VocabParallelEmbedding2D`'s, tied: then in form "ab", as the embedding splits it).
+    Padded classes get the dtype's lowest logit, so a softmax or
+    :class:`VocabParallelCrossEntropyLoss2D` gives them no probability or gradient."""
 
     def __init__(
         self,
@@ -212,9 +223,11 @@ class VocabParallelClassifier2D(Linear2D):
         bias: bool = False,
         *,
         weight: nn.Parameter | None = None,
+        keep_blocks: bool = False,
         ctx: ParallelContext,
     ) -> None:
-        super().__init__(in_features, num_classes, bias, ctx=ctx)
+        form = "ab" if weight is not None else None
+        super().__init__(in_features, num_classes, bias, form=form, keep_blocks=keep_blocks, ctx=ctx)
         self.num_classes = num_classes
         if weight is not None:
             expected = summa_weight_spec(self.grid, num_classes, in_features)

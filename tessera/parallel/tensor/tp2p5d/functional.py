@@ -15,8 +15,10 @@ gradient, so parameter gradients are all-reduced over ``2.5d_dep`` in backward.
 The layers (``layers.py``) are the 2D ones with the 2.5D grid (``grid_of``); only their grid
 differs. This module holds the grid and the activation helpers.
 
-Linear cost: with ``X`` this rank's input block ``[b/(d*q) * s, in/q]`` and ``W`` its weight
-block ``[out/q, in/q]``, forward and backward move per rank
+Linear cost: the 2D costs (``tp2d/functional.py``, per SUMMA form and ``keep_blocks``) with
+``X`` this rank's input block ``[b/(d*q) * s, in/q]`` and ``Y`` its output block
+``[b/(d*q) * s, out/q]``, plus the all-reduce of the parameter gradients over ``2.5d_dep``.
+In form "ab" (the output stays; "abt" has ``Y`` for ``X``), forward and backward move per rank
 
 * ``2.5d_row``: broadcast ``2 (q-1) |X|``, reduce ``(q-1) |X|``;
 * ``2.5d_col``: broadcast ``2 (q-1) |W|``, reduce ``(q-1) |W|``, all-reduce ``2 (q-1)/q |bias|``;

@@ -168,16 +168,51 @@ def _gather_hidden(x: torch.Tensor, size: int, cube: Cube) -> torch.Tensor:
     return x.narrow(-1, 0, size)
 
 
-def linear_3d(x: torch.Tensor, weight: torch.Tensor, cube: Cube, *, groups: int = 1) -> torch.Tensor:
-    """Agarwal's 3D matmul ``x W^T``: ``x [..., F_in]`` in the layout times this rank's weight block
-    ``[groups*F_out, q*F_in]`` (:func:`weight_spec`) -> ``[..., groups*F_out]`` in the layout (each
-    part's block ``o*q + n``, side by side)."""
-    x = comm.all_gather_forward_reduce_scatter_backward(x, cube.input, -1)  # in block o
+def _gathered_weight(weight: torch.Tensor, cube: Cube, groups: int) -> torch.Tensor:
+    """This rank's weight block ``[groups*F_out, q*F_in]`` all-gathered along ``3d_weight``:
+    ``[q*groups*F_out, q*F_in]``, for each ``o'`` the parts' out blocks ``o'*q + n``."""
     rows, cols = weight.shape
     local = weight.view(groups, 1, rows // groups, cols)  # each part's out block w*q + n
     gathered = comm.all_gather_forward_reduce_scatter_backward(local, cube.weight, 1)  # [G, q, F, in/q]
-    w = gathered.transpose(0, 1).reshape(cube.q * rows, cols)  # for each o': the parts' blocks o'*q + n
-    partial = F.linear(x, w)  # [..., q*groups*F_out], summed over o next
+    return gathered.transpose(0, 1).reshape(cube.q * rows, cols)
+
+
+class _LinearRegathered(torch.autograd.Function):
+    """``F.linear(x, gathered weight)`` keeping only this rank's weight block for backward, which
+    gathers it again and runs the same ops as the kept path (so the same numbers)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, cube: Cube, groups: int) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.cube, ctx.groups = cube, groups
+        return F.linear(x, _gathered_weight(weight, cube, groups))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+        x, weight = ctx.saved_tensors
+        need = ctx.needs_input_grad[:2]
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_(n) for t, n in zip((x, weight), need, strict=True)]
+            out = F.linear(inputs[0], _gathered_weight(inputs[1], ctx.cube, ctx.groups))
+            wanted = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
+        dx, dw = (next(grads) if n else None for n in need)
+        return dx, dw, None, None
+
+
+def linear_3d(
+    x: torch.Tensor, weight: torch.Tensor, cube: Cube, *, groups: int = 1, keep_blocks: bool = True
+) -> torch.Tensor:
+    """Agarwal's 3D matmul ``x W^T``: ``x [..., F_in]`` in the layout times this rank's weight block
+    ``[groups*F_out, q*F_in]`` (:func:`weight_spec`) -> ``[..., groups*F_out]`` in the layout (each
+    part's block ``o*q + n``, side by side). ``keep_blocks``: keep the gathered weight for backward
+    (else backward gathers it again: ``(q-1)/q^3 e in out`` more bytes on ``3d_weight``, the
+    gathered weight ``[out/q, in/q]`` less memory)."""
+    x = comm.all_gather_forward_reduce_scatter_backward(x, cube.input, -1)  # in block o
+    if keep_blocks:
+        partial = F.linear(x, _gathered_weight(weight, cube, groups))  # [..., q*groups*F_out], summed over o next
+    else:
+        partial = _LinearRegathered.apply(x, weight, cube, groups)
     return comm.reduce_scatter_forward_all_gather_backward(partial, cube.output, -1)
 
 

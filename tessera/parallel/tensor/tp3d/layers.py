@@ -55,7 +55,9 @@ class Linear3D(_CubeLayer):
     """``y = x W^T + b`` (Agarwal's 3D matmul): ``[b/q, (s,) F_in] -> [b/q, (s,) out_groups*F_out]``,
     both in the activation layout. ``weight [out, in]``: out block ``w*q + n`` (of each of
     ``out_groups`` fused parts) by in block ``o``, 1/q^3 of it (:func:`weight_spec`); ``bias`` as
-    the activations. Any sizes."""
+    the activations. Any sizes. ``keep_blocks`` keeps the weight gathered in the forward for the
+    backward (the default of this class; ``tessera.nn`` passes ``parallel.tensor.keep_blocks``);
+    off, the backward gathers it again."""
 
     def __init__(
         self,
@@ -64,9 +66,11 @@ class Linear3D(_CubeLayer):
         bias: bool = True,
         *,
         out_groups: int = 1,
+        keep_blocks: bool = True,
         ctx: ParallelContext,
     ) -> None:
         super().__init__(ctx)
+        self.keep_blocks = keep_blocks
         if out_features % out_groups:
             raise ValueError(f"Linear3D: {out_features} output features do not split into {out_groups} parts")
         self.in_features, self.out_features, self.out_groups = in_features, out_features, out_groups
@@ -79,7 +83,7 @@ class Linear3D(_CubeLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_local(x, self.in_features, self.cube, "Linear3D input")
-        y = linear_3d(x, self.weight, self.cube, groups=self.out_groups)
+        y = linear_3d(x, self.weight, self.cube, groups=self.out_groups, keep_blocks=self.keep_blocks)
         if self.bias is not None:
             y = y + hidden_local(self.bias, self.cube)
         return y
@@ -87,7 +91,7 @@ class Linear3D(_CubeLayer):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"out_groups={self.out_groups}"
+            f"out_groups={self.out_groups}, keep_blocks={self.keep_blocks}"
         )
 
 
@@ -210,7 +214,8 @@ class VocabParallelClassifier3D(_CubeLayer):
     """Head with the classes split: a 3D Linear whose ``weight [classes, in]`` is split as
     ``VocabParallelEmbedding3D.weight`` (and may be it, tied). ``[b/q, (s,) F] -> [b/q, (s,) C']``,
     ``C' = ceil(classes/q^2)``: classes block ``o*q + n``. Padded classes get the dtype's lowest
-    logit, so a softmax gives them zero probability and zero gradient."""
+    logit, so a softmax gives them zero probability and zero gradient. ``keep_blocks`` as
+    :class:`Linear3D`'s."""
 
     def __init__(
         self,
@@ -219,10 +224,11 @@ class VocabParallelClassifier3D(_CubeLayer):
         bias: bool = False,
         *,
         weight: nn.Parameter | None = None,
+        keep_blocks: bool = True,
         ctx: ParallelContext,
     ) -> None:
         super().__init__(ctx)
-        self.in_features, self.num_classes = in_features, num_classes
+        self.in_features, self.num_classes, self.keep_blocks = in_features, num_classes, keep_blocks
         plain = nn.Linear(in_features, num_classes, bias=bias)
         spec = weight_spec(num_classes, in_features, self.cube.q)
         if weight is None:
@@ -237,7 +243,7 @@ class VocabParallelClassifier3D(_CubeLayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_local(x, self.in_features, self.cube, "VocabParallelClassifier3D input")
         cube = self.cube
-        logits = linear_3d(x, self.weight, cube)
+        logits = linear_3d(x, self.weight, cube, keep_blocks=self.keep_blocks)
         if self.bias is not None:
             logits = logits + comm.copy_forward_all_reduce_backward(self.bias, cube.weight)
         per = logits.shape[-1]
