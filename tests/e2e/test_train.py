@@ -62,7 +62,13 @@ def test_train_runs_under_2d_tensor_parallelism(tmp_path):
                "--set", "data.max_bytes=100000", "--set", "data.micro_batch_size=4"], timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     config = json.loads((run_dir / "config.json").read_text())
-    assert config["parallel"]["tensor"] == {"size": 4, "mode": "2d", "depth": 1, "sequence_parallel": False}
+    assert config["parallel"]["tensor"] == {
+        "size": 4,
+        "mode": "2d",
+        "depth": 1,
+        "sequence_parallel": False,
+        "keep_blocks": False,
+    }
     weights = load_weights(run_dir / "model.safetensors")
     reference = gpt("tiny").state_dict()
     assert {k: tuple(v.shape) for k, v in weights.items()} == {k: tuple(v.shape) for k, v in reference.items()}
