@@ -1,6 +1,39 @@
-"""Layer 4: checkpoints. For now full (unsharded) state dicts under the single-process keys,
-written atomically as safetensors; sharded checkpoints and resharding come later."""
+"""Layer 4: checkpoints.
 
+- sharded checkpoints (``save``, ``load``): every rank writes what it holds; any layout loads
+  them (``tessera.checkpoint.sharded``; the format in ``tessera.checkpoint.format``);
+- full state dicts under the single-process keys (``full_state_dict``, ``load_full_state_dict``)
+  and single safetensors files of weights (``save_weights``, ``load_weights``).
+"""
+
+from tessera.checkpoint.format import CheckpointError, read_index
 from tessera.checkpoint.full import full_state_dict, load_full_state_dict, load_weights, save_weights
+from tessera.checkpoint.sharded import (
+    SaveHandle,
+    complete_checkpoints,
+    is_complete,
+    latest,
+    load,
+    prune,
+    save,
+    step_folder,
+    wait_for_saves,
+)
 
-__all__ = ["full_state_dict", "load_full_state_dict", "load_weights", "save_weights"]
+__all__ = [
+    "CheckpointError",
+    "SaveHandle",
+    "complete_checkpoints",
+    "full_state_dict",
+    "is_complete",
+    "latest",
+    "load",
+    "load_full_state_dict",
+    "load_weights",
+    "prune",
+    "read_index",
+    "save",
+    "save_weights",
+    "step_folder",
+    "wait_for_saves",
+]

@@ -83,6 +83,8 @@ class Engine:
         self.global_step = 0  # optimizer steps taken or skipped
         self.last_grad_norm: float | None = None
         self.last_step_skipped = False
+        #: the learning-rate scheduler given to ``initialize`` (checkpoints save and load it)
+        self.lr_scheduler: Any = None
 
     @property
     def model(self) -> nn.Module:
@@ -240,3 +242,10 @@ class Engine:
             "global_step": self.global_step,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
         }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (a checkpoint's engine counters and scaler)."""
+        self.global_step = int(state["global_step"])
+        self.micro_step = 0
+        if self.scaler is not None and state.get("scaler") is not None:
+            self.scaler.load_state_dict(state["scaler"])

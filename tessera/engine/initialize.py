@@ -53,6 +53,7 @@ def initialize(
     model.to(ctx.device)
     strategy = choose_strategy(model, optimizer, criterion, ctx, options)
     engine = Engine(strategy, criterion, ctx=ctx, options=options)
+    engine.lr_scheduler = lr_scheduler
     data_group = ctx.group("data")
     if train_dataloader is not None:
         train_dataloader = distributed_loader(train_dataloader, data_group, options.seed)

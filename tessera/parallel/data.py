@@ -4,6 +4,7 @@ the two replicated-optimizer strategies (DDP, and one all-reduce at the step).""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -69,7 +70,7 @@ def distributed_loader(loader: DataLoader, group: AxisGroup, seed: int) -> DataL
             "every rank needs at least one sample"
         )
     # Rebuilt even on one rank, so that every layout shuffles alike and has sampler.set_epoch.
-    sampler: DistributedSampler = DistributedSampler(
+    sampler = ResumableSampler(
         dataset,
         num_replicas=group.size,
         rank=group.rank,
@@ -77,7 +78,7 @@ def distributed_loader(loader: DataLoader, group: AxisGroup, seed: int) -> DataL
         seed=seed,
         drop_last=loader.drop_last,
     )
-    return DataLoader(
+    return ResumableLoader(
         dataset,
         batch_size=loader.batch_size,
         sampler=sampler,
@@ -88,7 +89,78 @@ def distributed_loader(loader: DataLoader, group: AxisGroup, seed: int) -> DataL
         timeout=loader.timeout,
         worker_init_fn=loader.worker_init_fn,
         persistent_workers=loader.persistent_workers if loader.num_workers > 0 else False,
+        # its own generator: starting an iteration draws a worker seed from it, not from the
+        # global generator that dropout uses (so where an iteration starts, after a resume for
+        # example, does not shift the model's random numbers)
+        generator=torch.Generator().manual_seed(seed),
     )
+
+
+class ResumableSampler(DistributedSampler):
+    """A ``DistributedSampler`` that can start an epoch part-way through (``start``: samples of
+    this rank to skip), without reading the skipped samples."""
+
+    start: int = 0
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())
+        return iter(indices[self.start :])
+
+    def __len__(self) -> int:
+        return max(0, self.num_samples - self.start)
+
+
+class ResumableLoader(DataLoader):
+    """The data loader ``initialize`` returns: it counts the batches handed out in the current
+    epoch, and its position (``state_dict``: epoch and samples consumed by all data ranks)
+    restores into a loader over any number of data ranks (``load_state_dict``: the next
+    iteration starts after those samples)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.batches_taken = 0  # batches handed out since this epoch's iteration began
+        self._resume_at = 0  # batches to skip at the next iteration
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        sampler = self.sampler
+        assert isinstance(sampler, ResumableSampler)
+        skip, self._resume_at = self._resume_at, 0
+        sampler.start = skip * self._batch()
+        self.batches_taken = skip
+        inner = super().__iter__()  # reads sampler.start lazily: it stays until the next iteration
+
+        def counted() -> Iterator[Any]:
+            for batch in inner:
+                self.batches_taken += 1
+                yield batch
+
+        return counted()
+
+    def _batch(self) -> int:
+        assert self.batch_size is not None
+        return self.batch_size
+
+    def state_dict(self) -> dict[str, Any]:
+        sampler = self.sampler
+        assert isinstance(sampler, ResumableSampler)
+        return {
+            "epoch": sampler.epoch,
+            "samples": self.batches_taken * self._batch() * sampler.num_replicas,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``: the epoch's shuffle, after its first ``samples`` samples."""
+        sampler = self.sampler
+        assert isinstance(sampler, ResumableSampler)
+        per_batch = self._batch() * sampler.num_replicas
+        samples = int(state["samples"])
+        if samples % per_batch:
+            raise ConfigError(
+                f"the data position ({samples} samples into epoch {state['epoch']}) is not a whole number of "
+                f"batches of {self._batch()} x {sampler.num_replicas} data ranks: keep the global batch the same"
+            )
+        sampler.set_epoch(int(state["epoch"]))
+        self._resume_at = samples // per_batch
 
 
 class DataParallel(Strategy):

@@ -26,6 +26,8 @@ import torch
 from torch import nn
 
 from tessera.context import ParallelContext
+from tessera.context.placement import placement_of
+from tessera.context.views import HeldTensor, View, spec_view, whole_view
 from tessera.errors import TesseraError
 from tessera.optim.norms import global_grad_norm
 
@@ -93,3 +95,44 @@ class Strategy:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def checkpoint_tensors(self) -> list[HeldTensor]:
+        """What this rank holds of the model for a sharded checkpoint: every parameter it trains
+        (a tensor-parallel block, a ZeRO piece, or whole) and every persistent buffer, each with
+        its single-process key and its view in full coordinates. A parameter's ``tensor`` is the
+        one the optimizer steps (its state is saved under the same view). Ranks holding the same
+        view (data-parallel replicas) hold the same values; the checkpoint writes it once."""
+        return module_tensors(self.module, self.holds)
+
+    def holds(self, param: torch.Tensor) -> bool:
+        """Whether this rank trains (and so saves and loads) ``param``. Default: every one."""
+        return True
+
+    def checkpoint_loaded(self) -> None:
+        """After a checkpoint wrote new values into :meth:`checkpoint_tensors`: make every copy
+        that derives from them follow (sharded copies, other stages' weights). Collective."""
+
+
+def module_tensors(module: nn.Module, holds: Callable[[torch.Tensor], bool]) -> list[HeldTensor]:
+    """The :class:`HeldTensor` records of ``module``'s parameters that ``holds`` and of its
+    persistent buffers, under their first state-dict key (a tied parameter once)."""
+    keys = set(module.state_dict().keys())
+    out: list[HeldTensor] = []
+    for key, param in module.named_parameters():
+        if key in keys and holds(param):
+            out.append(HeldTensor(key, param, view_of(param)))
+    for key, buffer in module.named_buffers():
+        if key in keys:
+            out.append(HeldTensor(key, buffer, whole_view(buffer.shape)))
+    return out
+
+
+def view_of(param: torch.Tensor) -> View:
+    """The view of this rank's (tensor-parallel block of a) parameter."""
+    placement = placement_of(param)
+    if placement.shard is None:
+        return whole_view(param.shape)
+    if placement.mesh is None:
+        raise TesseraError("a sharded parameter's placement names no context to place its block with")
+    return spec_view(placement.shard, placement.mesh)

@@ -366,6 +366,32 @@ class ZeroOptimizer:
                 if self._separate and pieces:
                     torch._foreach_copy_([p for p, _, _ in pieces], [chunk.shard[a:b] for _, a, b in pieces])
 
+    # ---- sharded checkpoints -----------------------------------------------------------------
+    def held_pieces(self) -> list[tuple[str, nn.Parameter, nn.Parameter, int, int]]:
+        """``(name, parameter, piece, start, end)`` for each piece this rank steps: ``piece``
+        holds elements ``[start, end)`` of ``parameter``'s (tensor-parallel block, row-major)
+        values, at the masters' precision."""
+        out = []
+        for chunk, pieces in zip(self.store.chunks, self._pieces):
+            lo = chunk.shard_range[0]
+            for (piece, a, b), (slot, _, _) in zip(pieces, chunk.shard_pieces()):
+                start = lo + a - slot.offset
+                out.append((slot.name, self.params[slot.index], piece, start, start + (b - a)))
+        return out
+
+    def masters_loaded(self) -> None:
+        """After new values were written into the pieces (a checkpoint loaded): the parameter
+        shards take them, and the parameters are refreshed (collective over the data axis)."""
+        pending: list[Pending | None] = []
+        with torch.no_grad():
+            for chunk, pieces in zip(self.store.chunks, self._pieces):
+                if self._separate and pieces:
+                    copy_to_device_([chunk.shard[a:b] for _, a, b in pieces], [p for p, _, _ in pieces])
+                pending.append(chunk.refresh_full(async_op=True))
+        for work in pending:
+            if work is not None:
+                work.wait()
+
 
 def _unit_of(model: nn.Module, name: str) -> str:
     """The block a parameter belongs to: the first element of a ``ModuleList``/``Sequential`` on

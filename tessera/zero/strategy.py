@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from tessera.context import ParallelContext
-from tessera.parallel.strategy import Strategy
+from tessera.context.views import HeldTensor
+from tessera.parallel.strategy import Strategy, module_tensors, view_of
 from tessera.zero.optimizer import ZeroOptimizer
 from tessera.zero.policy import ZeroOptions
 
@@ -34,3 +35,17 @@ class Zero(Strategy):
 
     def memory_parts(self) -> dict[str, list[torch.Tensor]]:
         return self.sharded.memory_parts()
+
+    def checkpoint_tensors(self) -> list[HeldTensor]:
+        """This rank's pieces of the parameters the sharded optimizer steps (flat ranges of
+        their blocks, fp32 masters), plus whatever it does not shard (frozen parameters, buffers)."""
+        sharded = self.sharded
+        held = [
+            HeldTensor(name, piece, view_of(param).with_flat(a, b))
+            for name, param, piece, a, b in sharded.held_pieces()
+        ]
+        stepped = {id(p) for p in sharded.params}
+        return held + module_tensors(self.module, lambda p: id(p) not in stepped and self.holds(p))
+
+    def checkpoint_loaded(self) -> None:
+        self.sharded.masters_loaded()

@@ -11,6 +11,7 @@ import torch
 
 from tessera import comm
 from tessera.context.placement import placement_of, storages_of
+from tessera.context.views import HeldTensor
 from tessera.errors import TesseraError
 from tessera.parallel.pipeline.stage import PipelineStage
 from tessera.parallel.strategy import Strategy
@@ -80,6 +81,21 @@ class PipelineParallel(Strategy):
 
     def state_dict(self) -> dict[str, Any]:
         return self.gradients.state_dict()
+
+    def checkpoint_tensors(self) -> list[HeldTensor]:
+        """The inner strategy's records of the parameters this stage trains (tied ones on every
+        stage that holds them), and the buffers."""
+        trained = {id(p) for p in self.stage.parameters}
+        keys = {key for key, p in self.module.named_parameters() if id(p) in trained}
+        params = {key for key, _ in self.module.named_parameters()}
+        return [h for h in self.gradients.checkpoint_tensors() if h.key in keys or h.key not in params]
+
+    def holds(self, param: torch.Tensor) -> bool:
+        return any(param is p for p in self.stage.parameters)
+
+    def checkpoint_loaded(self) -> None:
+        self.gradients.checkpoint_loaded()
+        self._weights_stale = True  # other stages' weights: fetched again before evaluation
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.gradients.load_state_dict(state)
