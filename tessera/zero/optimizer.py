@@ -178,6 +178,7 @@ class ZeroOptimizer:
             user_group.update(fused=host_group["fused"], foreach=host_group["foreach"], params=host_group["params"])
         host.param_groups = user.param_groups
         self.optimizer = host
+        self._user_optimizer = user
 
     # ---- the optimizer interface -------------------------------------------------------------
     @property
@@ -225,6 +226,11 @@ class ZeroOptimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
+        user = getattr(self, "_user_optimizer", None)
+        if user is not None:  # loading made new group dicts: share the user's again (schedulers)
+            for user_group, group in zip(user.param_groups, self.optimizer.param_groups):
+                user_group.update(group)
+            self.optimizer.param_groups = user.param_groups
 
     # ---- gradients ---------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
