@@ -19,6 +19,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -85,18 +86,34 @@ def launch(
                 f"{dist.get_world_size()}, not rank {rank} of {world_size}"
             )
     else:
-        dist.init_process_group(
-            backend=backend,
-            init_method=f"tcp://{host}:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timeout,
-        )
+        store = _restart_store(host, port, world_size, timeout)
+        if store is not None:
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend=backend,
+                init_method=f"tcp://{host}:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=timeout,
+            )
     comm.set_timeout(cfg.comm.timeout_s)
     seed_all(cfg.seed)
     ctx = ParallelContext(dims, device=device, seed=cfg.seed)
     set_session(ctx, cfg)
     return ctx
+
+
+def _restart_store(host: str, port: int | str, world_size: int, timeout: datetime.timedelta) -> Any:
+    """Under torchrun's agent store (which outlives restarts: ``--max-restarts``), a view of it
+    with keys of this attempt only; otherwise None (the process group makes its own store).
+    Without the prefix, ranks restarted after a failure would read the addresses the previous
+    attempt's ranks published there and fail to connect."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent = dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"tessera/attempt{attempt}", agent)
 
 
 def _env_int(env: Mapping[str, str], *names: str, launcher: str) -> int:

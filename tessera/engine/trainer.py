@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from torch.utils.data import DataLoader
 
+from tessera import checkpoint
+from tessera.checkpoint import CheckpointError
 from tessera.engine.engine import Engine
 from tessera.engine.hooks import Hook
 
@@ -17,9 +21,42 @@ class Trainer:
     ``trainer.metrics`` holds the current step's numbers; hooks read and add to it (the
     throughput hook adds ``samples_per_s``, the memory hook byte counts, ...), and the logging
     hooks, which run last, report it. ``trainer.history`` keeps every step's metrics.
+
+    Checkpoints: with ``checkpoint_dir`` and ``checkpoint_every``, a sharded checkpoint of the
+    whole run (``tessera.checkpoint.save``: model, optimizer, scheduler, scaler, random states,
+    data position, the trainer's counters) goes to ``checkpoint_dir/step-NNNNNNNN`` every that
+    many steps and at the end, keeping the newest ``keep_last``. ``resume`` continues a run:
+    ``"auto"`` from the newest complete checkpoint in ``checkpoint_dir`` if there is one (else
+    from the start: the setting for jobs restarted by ``tessera run --max-restarts``),
+    ``"latest"`` likewise but one must exist, or a checkpoint folder's path.
     """
 
-    def __init__(self, engine: Engine, hooks: Iterable[Hook] = ()) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        hooks: Iterable[Hook] = (),
+        *,
+        checkpoint_dir: str | Path | None = None,
+        checkpoint_every: int | None = None,
+        keep_last: int | None = None,
+        checkpoint_async: bool = False,
+        resume: str | Path | None = None,
+    ) -> None:
+        if checkpoint_every is not None and checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every={checkpoint_every} must be at least 1")
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last={keep_last} must be at least 1")
+        if checkpoint_every is not None and checkpoint_dir is None:
+            raise ValueError("checkpoint_every needs checkpoint_dir= (where the checkpoints go)")
+        if resume in ("auto", "latest") and checkpoint_dir is None:
+            raise ValueError(f"resume={resume!r} looks in checkpoint_dir=, which is not given")
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.checkpoint_every = checkpoint_every
+        self.keep_last = keep_last
+        self.checkpoint_async = checkpoint_async
+        self.resume = resume
+        self.resumed_from: Path | None = None
+        self._step_in_epoch = 0
         self.engine = engine
         self.hooks = sorted(hooks, key=lambda h: h.priority)
         self.step = 0
@@ -62,16 +99,19 @@ class Trainer:
         if epochs is None:
             epochs = -(-steps // per_epoch)
         self.train_dataloader, self.test_dataloader, self.max_steps = train_dataloader, test_dataloader, steps
+        first_epoch, done_in_epoch = self._resume(train_dataloader)
         self.engine.train()
         self._call("before_fit")
-        for epoch in range(epochs):
+        for epoch in range(first_epoch, epochs):
             self.epoch = epoch
+            resuming = epoch == first_epoch and done_in_epoch > 0
             set_epoch = getattr(getattr(train_dataloader, "sampler", None), "set_epoch", None)
-            if set_epoch is not None:
+            if set_epoch is not None and not resuming:
                 set_epoch(epoch)  # a new shuffle per epoch, the same on every rank
             self._call("before_epoch")
-            data_iter = iter(train_dataloader)
-            for _ in range(per_epoch):
+            data_iter = iter(train_dataloader)  # a resumed loader starts where the checkpoint was
+            self._step_in_epoch = done_in_epoch if resuming else 0
+            for _ in range(per_epoch - self._step_in_epoch):
                 if self.step >= steps or self.stop_requested:
                     break
                 self.metrics = {"step": self.step + 1, "epoch": epoch}
@@ -79,10 +119,56 @@ class Trainer:
                 self.metrics["loss"] = self.engine.train_batch(data_iter)
                 self.metrics["skipped"] = self.engine.last_step_skipped
                 self.step += 1
+                self._step_in_epoch += 1
                 self._call("after_step")
                 self.history.append(dict(self.metrics))
+                if self.checkpoint_every and self.step % self.checkpoint_every == 0:
+                    self.save_checkpoint()
             self._call("after_epoch")
             if self.step >= steps or self.stop_requested:
                 break
+        if self.checkpoint_every and self.step % self.checkpoint_every != 0:
+            self.save_checkpoint()  # the end of the run, too
+        checkpoint.wait_for_saves()
         self._call("after_fit")
         return self.history
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        """Save the whole run at this step to ``checkpoint_dir/step-NNNNNNNN`` (collective)."""
+        if self.checkpoint_dir is None:
+            raise ValueError("save_checkpoint needs the Trainer's checkpoint_dir=")
+        path = checkpoint.step_folder(self.checkpoint_dir, self.step)
+        extra = {"trainer": {"step": self.step, "epoch": self.epoch, "step_in_epoch": self._step_in_epoch}}
+        handle = checkpoint.save(
+            path, self.engine, dataloader=self.train_dataloader, extra=extra, blocking=not self.checkpoint_async
+        )
+        if self.keep_last is not None and self.engine.ctx.rank == 0:
+            if self.checkpoint_async:
+                handle.wait()  # rank 0's wait ends when the checkpoint is complete
+            checkpoint.prune(self.checkpoint_dir, self.keep_last)
+        return path
+
+    def _resume_path(self) -> Path | None:
+        if self.resume is None:
+            return None
+        if self.resume in ("auto", "latest"):
+            assert self.checkpoint_dir is not None
+            found = checkpoint.latest(self.checkpoint_dir)
+            if found is None and self.resume == "latest":
+                raise CheckpointError(f"resume='latest': no complete checkpoint in {self.checkpoint_dir}")
+            return found
+        return Path(self.resume)
+
+    def _resume(self, loader: DataLoader) -> tuple[int, int]:
+        """Load the checkpoint ``resume`` names, if any; returns ``(epoch, steps done in it)``."""
+        path = self._resume_path()
+        if path is None:
+            return 0, 0
+        self.step = checkpoint.load(path, self.engine, dataloader=loader)
+        self.resumed_from = path
+        state = (checkpoint.read_index(path).get("extra") or {}).get("trainer") or {}
+        self.epoch = int(state.get("epoch", 0))
+        if self.engine.ctx.rank == 0:
+            print(f"tessera: resumed from {path} at step {self.step}", file=sys.stderr, flush=True)
+        return self.epoch, int(state.get("step_in_epoch", 0))
