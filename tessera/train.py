@@ -119,11 +119,19 @@ def run(cfg: Config, run_dir: Path) -> list[dict[str, Any]]:
         ThroughputHook(tokens_per_sample=seq_len),
         MemoryHook(every=cfg.trainer.log_every),
         EvalHook(eval_loader, every=cfg.trainer.eval_every, max_batches=cfg.trainer.eval_batches),
-        CheckpointHook(run_dir, every=cfg.trainer.checkpoint_every),
+        CheckpointHook(run_dir),  # the final weights, as model.safetensors
         LogHook(every=cfg.trainer.log_every, jsonl=run_dir / "metrics.jsonl"),
         ProgressBarHook(enabled=cfg.trainer.progress_bar),
     ]
-    history = Trainer(engine, hooks).fit(train_loader, steps=total)
+    trainer = Trainer(
+        engine,
+        hooks,
+        checkpoint_dir=run_dir / "checkpoints",
+        checkpoint_every=cfg.trainer.checkpoint_every,
+        keep_last=cfg.trainer.keep_last,
+        resume=cfg.trainer.resume,
+    )
+    history = trainer.fit(train_loader, steps=total)
     if ctx.rank == 0:
         plot_losses(history, run_dir / "loss.png")
         first, last = history[0]["loss"], history[-1]["loss"]

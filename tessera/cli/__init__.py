@@ -137,6 +137,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="processes on this node (default: launch.nproc_per_node, 4)",
     )
     train.add_argument("--output-dir", default=None, help="the run folder (default: trainer.output_dir/<time>-<model>)")
+    train.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        metavar="PATH|latest",
+        help="continue a run from a checkpoint: a checkpoint folder, a run folder (its newest checkpoint) or "
+        "'latest' (the newest under trainer.output_dir; the default with no value); the run goes on in that "
+        "checkpoint's run folder",
+    )
     train.set_defaults(func=_cmd_train)
 
     check = sub.add_parser("check", help="print the environment and run a 2-rank all-reduce")

@@ -115,14 +115,55 @@ def cmd_train(args: Any) -> int:
     nproc = args.nproc_per_node or cfg.launch.nproc_per_node
     given = "--nproc-per-node" if args.nproc_per_node else "launch.nproc_per_node; change it with --nproc-per-node"
     check_world(cfg, nproc, f"tessera train starts {nproc} processes: {given}")
-    run_dir = Path(args.output_dir) if args.output_dir else default_run_dir(cfg)
+    overrides = list(args.set)
+    resumed = None
+    if getattr(args, "resume", None) is not None:
+        resumed = find_checkpoint(args.resume, Path(cfg.trainer.output_dir))
+        overrides.append(f"trainer.resume={resumed}")
+    if args.output_dir:
+        run_dir = Path(args.output_dir)
+    elif resumed is not None and resumed.parent.name == "checkpoints":
+        run_dir = resumed.parent.parent  # the run goes on in its own folder
+    else:
+        run_dir = default_run_dir(cfg)
     argv = ["--standalone", "--nproc-per-node", str(nproc), "-m", "tessera.cli.rank", "--module", "tessera.train"]
     argv += ["--", "--run-dir", str(run_dir)]
     if args.config is not None:
         argv.append(str(args.config))
-    for item in args.set:
+    for item in overrides:
         argv += ["--set", item]
     return start_ranks(argv, run_dir, "train", {})
+
+
+def _complete(folder: Path) -> bool:
+    return (folder / "index.json").is_file()  # a checkpoint is complete once its index is written
+
+
+def _newest_in(checkpoints: Path) -> Path | None:
+    found = sorted(p for p in checkpoints.glob("step-*") if p.is_dir() and _complete(p)) if checkpoints.is_dir() else []
+    return found[-1] if found else None
+
+
+def find_checkpoint(spec: str, output_dir: Path) -> Path:
+    """The checkpoint ``tessera train --resume SPEC`` continues from: a checkpoint folder, a run
+    folder's newest checkpoint, or with ``latest`` the newest checkpoint of any run under
+    ``output_dir``. Raises ConfigError (before any process starts) when there is none."""
+    from tessera.errors import ConfigError
+
+    if spec == "latest":
+        runs = sorted(output_dir.glob("*/checkpoints")) if output_dir.is_dir() else []
+        newest = [found for found in (_newest_in(c) for c in runs) if found is not None]
+        if not newest:
+            raise ConfigError(f"--resume latest: no complete checkpoint under {output_dir}/*/checkpoints/")
+        return max(newest, key=lambda p: p.stat().st_mtime)
+    path = Path(spec)
+    if _complete(path):
+        return path
+    for folder in (path / "checkpoints", path):
+        found = _newest_in(folder)
+        if found is not None:
+            return found
+    raise ConfigError(f"--resume {spec}: not a complete checkpoint, nor a run folder or checkpoints folder holding one")
 
 
 # ---- tessera run ------------------------------------------------------------------------------

@@ -196,14 +196,24 @@ class TrainerConfig:
     log_every: int = _field(25, "Print metrics every this many steps (the JSONL file gets every step).")
     eval_every: int | None = _field(50, "Evaluate every this many steps; None: only at the end.")
     eval_batches: int | None = _field(10, "Micro-batches per rank in one evaluation; None: the whole test set.")
-    checkpoint_every: int | None = _field(None, "Save a checkpoint every this many steps; None: only at the end.")
+    checkpoint_every: int | None = _field(
+        None,
+        "Save a sharded checkpoint of the whole run (resumable, in any layout) to <run>/checkpoints/ every "
+        "this many steps and at the end; None: none (the final weights go to model.safetensors either way).",
+    )
+    keep_last: int | None = _field(2, "Keep only the newest this many checkpoints; None: keep all.")
+    resume: str | None = _field(
+        None,
+        "Continue from a checkpoint: a checkpoint folder's path, 'latest' (the newest in <run>/checkpoints/, "
+        "which must exist) or 'auto' (the newest there if any: for restarted jobs). `tessera train --resume`.",
+    )
     output_dir: str = _field("runs", "Folder under which each run writes its own folder.")
     progress_bar: bool | Literal["auto"] = _field(
         "auto", "A progress bar on rank 0: 'auto' only when stderr is a terminal (not in a log file), true, false."
     )
 
     def validate(self, path: str) -> None:
-        for name in ("steps", "eval_every", "eval_batches", "checkpoint_every"):
+        for name in ("steps", "eval_every", "eval_batches", "checkpoint_every", "keep_last"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{path}{name}={value} must be at least 1")

@@ -210,7 +210,8 @@ class LogHook(Hook):
     def before_fit(self, trainer: Trainer) -> None:
         if self.jsonl is not None and _is_rank0(trainer):
             self.jsonl.parent.mkdir(parents=True, exist_ok=True)
-            self.jsonl.write_text("")
+            if getattr(trainer, "resumed_from", None) is None:  # a resumed run appends to its file
+                self.jsonl.write_text("")
 
     def _write(self, metrics: dict[str, Any]) -> None:
         if self.jsonl is not None:

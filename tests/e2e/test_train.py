@@ -85,3 +85,31 @@ def test_train_runs_with_pipeline_stages(tmp_path):
     assert [m["step"] for m in lines if "final" not in m] == [1, 2, 3]
     weights = load_weights(run_dir / "model.safetensors")
     assert weights.keys() == gpt("tiny").state_dict().keys()
+
+
+SHORT = ["--set", "trainer.eval_every=3", "--set", "trainer.progress_bar=false", "--set", "trainer.checkpoint_every=3",
+         "--set", "data.max_bytes=100000", "--set", "data.micro_batch_size=4", "--set", "model.options={'dropout': 0.1}"]  # fmt: skip
+
+
+def test_train_resumes_from_a_checkpoint_bitwise(tmp_path):
+    """`tessera train --resume` continues a run from its sharded checkpoint: 6 steps straight,
+    and 3 steps resumed from the checkpoint at step 3, end with the same weights, bit for bit."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    out = run([*tessera_cmd(), "train", "--nproc", "2", "--output-dir", str(first), "--set", "trainer.steps=6", *SHORT],
+              timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert sorted(p.name for p in (first / "checkpoints").iterdir()) == ["step-00000003", "step-00000006"]
+    out = run([*tessera_cmd(), "train", "--nproc", "2", "--resume", str(first / "checkpoints" / "step-00000003"),
+               "--output-dir", str(second), "--set", "trainer.steps=6", *SHORT], timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "resumed from" in out.stderr
+    lines = [json.loads(line) for line in (second / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines if "final" not in m] == [4, 5, 6]
+    expected, got = load_weights(first / "model.safetensors"), load_weights(second / "model.safetensors")
+    assert all(bool((expected[k] == got[k]).all()) for k in expected)
+
+
+def test_train_resume_without_a_checkpoint_fails_before_starting(tmp_path):
+    out = run([*tessera_cmd(), "train", "--resume", "--set", f"trainer.output_dir={tmp_path}"], timeout=60)
+    assert out.returncode == 2
+    assert f"--resume latest: no complete checkpoint under {tmp_path}" in out.stderr
