@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import tessera
 from tessera.checkpoint import full_state_dict, load, save
 from tessera.models import NextTokenLoss, gpt
+from tessera.optim import LAMB, LARS
 from tessera.testing import use_layout
 
 SEQ = 16
@@ -45,11 +46,19 @@ def layout(config: dict) -> dict:
     }
 
 
-def setup(config: dict, dropout: float = 0.1):
+def make_optimizer(name: str, model):
+    if name == "lamb":
+        return LAMB(model.parameters(), lr=3e-3)
+    if name == "lars":
+        return LARS(model.parameters(), lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
+
+
+def setup(config: dict, dropout: float = 0.1, optimizer_name: str = "adamw"):
     """The engine, loader and scheduler of a run under ``config`` (on every rank)."""
     ctx = use_layout(config=config, **layout(config))
     model = build(dropout)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
+    optimizer = make_optimizer(optimizer_name, model)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.8)
     micro = GLOBAL_BATCH // ctx.size("data")
     pipeline = config.get("parallel", {}).get("pipeline")
@@ -68,8 +77,8 @@ def steps(engine, it, scheduler, n: int) -> list[float]:
     return losses
 
 
-def run_and_save(config: dict, path: str):
-    engine, loader, scheduler = setup(config)
+def run_and_save(config: dict, path: str, optimizer_name: str = "adamw"):
+    engine, loader, scheduler = setup(config, optimizer_name=optimizer_name)
     loader.sampler.set_epoch(0)
     it = iter(loader)
     steps(engine, it, scheduler, 10)
@@ -79,8 +88,8 @@ def run_and_save(config: dict, path: str):
     return (losses, state) if engine.ctx.rank == 0 else None
 
 
-def resume(config: dict, path: str):
-    engine, loader, scheduler = setup(config)
+def resume(config: dict, path: str, optimizer_name: str = "adamw"):
+    engine, loader, scheduler = setup(config, optimizer_name=optimizer_name)
     torch.manual_seed(1234)  # whatever the process drew before: the checkpoint's states win
     step = load(path, engine, dataloader=loader)
     assert step == 10
@@ -118,6 +127,18 @@ def test_resume_is_bitwise(pools, tmp_path: Path, case: str):
     losses, state = pools.run(ranks, resume, config, path, timeout=600)[0]
     assert losses == expected_losses
     assert state.keys() == expected_state.keys()
+    for key in state:
+        assert torch.equal(state[key], expected_state[key]), key
+
+
+@pytest.mark.parametrize("optimizer_name", ["lamb", "lars"])
+def test_resume_with_lamb_and_lars_under_zero2_is_bitwise(pools, tmp_path: Path, optimizer_name: str):
+    """LAMB's and LARS's states (their sharded pieces) come back too."""
+    ranks, config = CASES["zero2-dp2"]
+    path = str(tmp_path / "ckpt")
+    expected_losses, expected_state = pools.run(ranks, run_and_save, config, path, optimizer_name, timeout=600)[0]
+    losses, state = pools.run(ranks, resume, config, path, optimizer_name, timeout=600)[0]
+    assert losses == expected_losses
     for key in state:
         assert torch.equal(state[key], expected_state[key]), key
 
