@@ -52,6 +52,7 @@ from tessera.checkpoint.placing import fill
 from tessera.checkpoint.runstate import jsonable, layout_of, restore_float, restore_rng, rng_json, rng_tensors
 from tessera.context import ParallelContext
 from tessera.context.views import HeldTensor, View, whole_view
+from tessera.parallel.strategy import state_dict_keys
 
 # optimizer settings that choose a kernel, not the arithmetic: the loading optimizer keeps its own
 _KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")
@@ -369,7 +370,7 @@ def load(path: str | Path, engine: Any, *, dataloader: Any = None) -> int:
 
 def _check_model(module: torch.nn.Module, held: list[HeldTensor], tensors: dict[str, Any], folder: Path) -> None:
     """Fail, naming them, on keys the checkpoint lacks or has beyond the model, and on shapes."""
-    expected = set(module.state_dict().keys()) - set(_aliases(module))
+    expected = state_dict_keys(module) - set(_aliases(module))
     stored = {name[len("model/") :] for name in tensors if name.startswith("model/")}
     missing, unexpected = sorted(expected - stored), sorted(stored - expected)
     if missing or unexpected:

@@ -117,7 +117,7 @@ class Strategy:
 def module_tensors(module: nn.Module, holds: Callable[[torch.Tensor], bool]) -> list[HeldTensor]:
     """The :class:`HeldTensor` records of ``module``'s parameters that ``holds`` and of its
     persistent buffers, under their first state-dict key (a tied parameter once)."""
-    keys = set(module.state_dict().keys())
+    keys = state_dict_keys(module)
     out: list[HeldTensor] = []
     for key, param in module.named_parameters():
         if key in keys and holds(param):
@@ -126,6 +126,18 @@ def module_tensors(module: nn.Module, holds: Callable[[torch.Tensor], bool]) -> 
         if key in keys:
             out.append(HeldTensor(key, buffer, whole_view(buffer.shape)))
     return out
+
+
+def state_dict_keys(module: nn.Module) -> set[str]:
+    """The keys ``module.state_dict()`` has (tied parameters under each of theirs), found without
+    calling it: under ZeRO-3 that call gathers every parameter."""
+    keys: set[str] = set()
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        keys.update(dot + name for name, p in sub._parameters.items() if p is not None)
+        skip = sub._non_persistent_buffers_set
+        keys.update(dot + name for name, b in sub._buffers.items() if b is not None and name not in skip)
+    return keys
 
 
 def view_of(param: torch.Tensor) -> View:
