@@ -13,17 +13,24 @@ A chunk created with ``keep_full=True`` (ZeRO stages 1 and 2) is always gathered
 is a view into the full buffer (no second copy); any other chunk starts SHARDED, holding only
 its shard. ZeRO-3 and the Gemini memory manager share
 this store; every state change goes through :meth:`Chunk.to_state`, which refuses illegal moves.
+
+A module whose parameters are views into released chunks would give ``state_dict()`` tensors
+with empty storage; :class:`WholeStateDict` gathers the chunks around the call and returns
+copies instead.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
 from tessera import comm
 from tessera.comm import AxisGroup, Pending
@@ -266,3 +273,92 @@ class ChunkStore:
 
     def held_bytes(self) -> int:
         return sum(c.held_bytes() for c in self.chunks)
+
+
+class WholeStateDict:
+    """``module.state_dict()`` with whole tensors although ``module``'s parameters are views
+    into chunks that are released between uses (``chunk_of``: a parameter's id to its chunk).
+
+    State-dict hooks on every module holding such a parameter (and their ancestors): before a
+    module's entries are written its chunks are gathered, after them each entry that views a
+    chunk which does not keep its full buffer is replaced by a copy, and a chunk the call
+    gathered is released as soon as the last module using it is done. A call thus holds the
+    copies plus a chunk or two, never the model twice, and leaves every chunk as it found it.
+    Tied parameters get one copy, shared by their keys, as single-process tensors share
+    storage. Collective over the chunks' groups: every member must call ``state_dict()``
+    (each chunk is gathered once per call). ``state_dict(keep_vars=True)`` returns the live
+    parameters (empty while released) and communicates nothing.
+    """
+
+    def __init__(self, module: nn.Module, chunk_of: Mapping[int, Chunk]) -> None:
+        self._chunk_of = dict(chunk_of)
+        self._own: dict[int, list[Chunk]] = {}  # id(module) -> chunks of its own parameters
+        hooked: set[int] = set()
+        for path, m in module.named_modules(remove_duplicate=False):  # a shared module: every path
+            own = {id(self._chunk_of[id(p)]): self._chunk_of[id(p)] for p in m.parameters(recurse=False)
+                   if id(p) in self._chunk_of}  # fmt: skip
+            if own:
+                self._own[id(m)] = list(own.values())
+                hooked.update(id(a) for a in _ancestors(module, path))
+
+        def after(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+            self._after(module, state, prefix)  # a function: torch marks the post-hooks it is given
+
+        for m in module.modules():
+            if id(m) in hooked:
+                m.register_state_dict_pre_hook(self._before)
+                m.register_state_dict_post_hook(after)
+        # the call in progress
+        self._stack: list[nn.Module] = []  # modules whose state_dict is running, outermost first
+        self._users_left: Counter[int] = Counter()  # id(chunk) -> modules of the call still to write it
+        self._gathered: dict[int, Chunk] = {}  # chunks this call gathered (released again)
+        self._copies: dict[int, torch.Tensor] = {}  # id(parameter) -> its copy (ties share it)
+
+    def _before(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if keep_vars:
+            return
+        if self._stack and not any(child is module for child in self._stack[-1].children()):
+            self._finish()  # left over from a call that raised: not our parent, so a new call
+        if not self._stack:
+            for _, m in module.named_modules(remove_duplicate=False):  # as state_dict visits them
+                self._users_left.update(id(c) for c in self._own.get(id(m), ()))
+        self._stack.append(module)
+        for chunk in self._own.get(id(module), ()):
+            if chunk.state is ChunkState.SHARDED:
+                self._gathered[id(chunk)] = chunk
+            chunk.gather()
+
+    def _after(self, module: nn.Module, state: dict[str, Any], prefix: str) -> None:
+        if not self._stack or self._stack[-1] is not module:
+            return  # keep_vars=True, or not a call this object follows
+        self._stack.pop()
+        for name, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            chunk = self._chunk_of.get(id(p))
+            key = prefix + name
+            if chunk is None or chunk.keep_full or key not in state:
+                continue
+            if id(p) not in self._copies:
+                self._copies[id(p)] = state[key].clone()
+            state[key] = self._copies[id(p)]
+        for chunk in self._own.get(id(module), ()):
+            self._users_left[id(chunk)] -= 1
+            if self._users_left[id(chunk)] <= 0 and id(chunk) in self._gathered:
+                self._gathered.pop(id(chunk)).release()
+        if not self._stack:
+            self._finish()
+
+    def _finish(self) -> None:
+        for chunk in self._gathered.values():
+            chunk.release()
+        self._stack.clear()
+        self._users_left.clear()
+        self._gathered.clear()
+        self._copies.clear()
+
+
+def _ancestors(root: nn.Module, path: str) -> list[nn.Module]:
+    """The modules from ``root`` down to the submodule at ``path`` (both included)."""
+    found = [root]
+    for part in path.split(".") if path else []:
+        found.append(found[-1].get_submodule(part))
+    return found
