@@ -34,3 +34,6 @@ class Zero(Strategy):
 
     def memory_parts(self) -> dict[str, list[torch.Tensor]]:
         return self.sharded.memory_parts()
+
+    def full_precision_weights(self) -> list[tuple[nn.Parameter, torch.Tensor]] | None:
+        return self.sharded.full_precision_weights()  # the fp32 masters (bf16/fp16), gathered over data
