@@ -128,9 +128,10 @@ class ZeroOptimizer:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._on_grad)
         self._release = ReleaseOnUse(model, self.store, self._slot_of) if policy.release_parameters else None
-        # model.state_dict() gathers the released chunks around the call and returns copies
+        # model.state_dict() gathers released chunks and returns copies; model.load_state_dict()
+        # reaches the shards and the masters
         chunk_of = {key: chunk for key, (chunk, _) in self._slot_of.items()}
-        self._state_dicts = WholeStateDict(model, chunk_of) if policy.release_parameters else None
+        self._state_dicts = WholeStateDict(model, chunk_of, on_loaded=self._masters_from_shard)
 
     # ---- construction ------------------------------------------------------------------------
     def _make_master(self, chunk: Chunk) -> torch.Tensor:
@@ -384,11 +385,16 @@ class ZeroOptimizer:
     def params_loaded(self) -> None:
         """After new values were written into the (gathered) parameters: take the shards and
         masters from them."""
-        with torch.no_grad():
-            for chunk, pieces in zip(self.store.chunks, self._pieces):
-                chunk.scatter_from_full()
-                if self._separate and pieces:
-                    torch._foreach_copy_([p for p, _, _ in pieces], [chunk.shard[a:b] for _, a, b in pieces])
+        for chunk in self.store.chunks:
+            chunk.scatter_from_full()
+            self._masters_from_shard(chunk)
+
+    def _masters_from_shard(self, chunk: Chunk) -> None:
+        """New values reached ``chunk``'s shard: its fp32 masters (when apart) follow."""
+        pieces = self._pieces[chunk.index]
+        if self._separate and pieces:
+            with torch.no_grad():
+                torch._foreach_copy_([p for p, _, _ in pieces], [chunk.shard[a:b] for _, a, b in pieces])
 
 
 def _unit_of(model: nn.Module, name: str) -> str:

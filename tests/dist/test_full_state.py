@@ -15,7 +15,7 @@ from torch import nn
 import tessera
 from tessera import comm
 from tessera.amp import autocast
-from tessera.checkpoint import full_state_dict
+from tessera.checkpoint import full_state_dict, load_full_state_dict
 from tessera.context.placement import placement_of
 from tessera.memory.chunks import ChunkState
 from tessera.models import NextTokenLoss
@@ -127,6 +127,36 @@ def test_zero3_full_state_is_the_masters_and_state_dict_is_whole(pools, dtype, o
         reference = reference_bf16_autocast()
         for key in reference:
             torch.testing.assert_close(masters[key], reference[key], rtol=2e-2, atol=2e-2, msg=key)
+
+
+def load_both_ways(stage: int):
+    """bf16 ZeRO on 2 data ranks: ``model.load_state_dict`` and ``load_full_state_dict`` of the
+    same values, then one step each; the fp32 masters after loading and after the step."""
+    ctx = use_layout(config=make_config(stage, 2, dtype="bf16"))
+    target = {k: (v + 0.5).bfloat16().float() for k, v in full_state_dict(build()).items()}  # bf16-exact
+    x, y = dataset().tensors
+    part = mine(0, ctx.local_rank("data"), 2)
+    results = {}
+    for how in ("load_state_dict", "load_full_state_dict"):
+        model = build()
+        engine, *_ = tessera.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), NextTokenLoss())
+        if how == "load_state_dict":
+            model.load_state_dict(target)  # collective under ZeRO-3, like state_dict()
+        else:
+            load_full_state_dict(model, target)
+        after_load = full_state_dict(engine)
+        engine.train_batch(iter([(x[part], y[part])]))
+        results[how] = (after_load, full_state_dict(engine))
+    return target, results
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_model_load_state_dict_reaches_shards_and_masters(pools, stage):
+    for target, results in pools.run(2, load_both_ways, stage, timeout=600):
+        for key in target:
+            for how, (after_load, _) in results.items():
+                assert torch.equal(after_load[key], target[key]), (how, key)
+            assert torch.equal(results["load_state_dict"][1][key], results["load_full_state_dict"][1][key]), key
 
 
 # ---- through a pipeline ----------------------------------------------------------------------------

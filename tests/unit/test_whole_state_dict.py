@@ -24,9 +24,12 @@ class Tied(nn.Module):
         self.register_buffer("scale", torch.arange(3.0))
 
 
-def packed(keep_full: bool = False, hooks: bool = True) -> tuple[Tied, ChunkStore, dict[str, torch.Tensor]]:
+def packed(
+    keep_full: bool = False, hooks: bool = True, loaded: list[int] | None = None
+) -> tuple[Tied, ChunkStore, dict[str, torch.Tensor]]:
     """The model with its parameters moved into 3 chunks (released unless ``keep_full``), as
-    ZeRO packs them; and its state dict from before."""
+    ZeRO packs them; and its state dict from before. ``loaded`` collects the chunks a load
+    reports (by index)."""
     torch.manual_seed(0)
     model = Tied()
     expected = {k: v.clone() for k, v in model.state_dict().items()}
@@ -42,7 +45,7 @@ def packed(keep_full: bool = False, hooks: bool = True) -> tuple[Tied, ChunkStor
     store = ChunkStore(named, single_rank_group("data"), chunk_numel=16, keep_full=keep_full, on_close=adopt)
     assert len(store.chunks) == 3
     if hooks:
-        WholeStateDict(model, chunk_of)
+        WholeStateDict(model, chunk_of, on_loaded=None if loaded is None else lambda c: loaded.append(c.index))
     return model, store, expected
 
 
@@ -130,3 +133,37 @@ def test_a_call_that_raised_is_cleaned_up_by_the_next_one():
     state = model.state_dict()
     assert all(torch.equal(state[k], expected[k]) for k in expected)
     assert all(c.state is ChunkState.SHARDED for c in store.chunks)
+
+
+# ---- load_state_dict ------------------------------------------------------------------------------
+
+
+def test_load_state_dict_reaches_the_shards_and_releases_again(gathers):
+    loaded: list[int] = []
+    model, store, expected = packed(loaded=loaded)
+    target = {k: v + 1.0 for k, v in expected.items()}
+    model.load_state_dict(target)
+    assert all(c.state is ChunkState.SHARDED for c in store.chunks)
+    assert sorted(gathers) == [0, 1, 2]
+    assert sorted(loaded) == [0, 1, 2]  # each chunk once, after its last module
+    for name in ("emb.weight", "body.0.bias", "body.1.weight"):
+        chunk, slot = store.locate(name)
+        part = chunk.shard[slot.offset - chunk.shard_range[0] :][: slot.numel]
+        assert torch.equal(part, target[name].reshape(-1)), name  # the shard (one rank: all of it)
+    state = model.state_dict()
+    assert all(torch.equal(state[k], target[k]) for k in target)
+
+
+def test_a_partial_load_keeps_the_other_values():
+    model, store, expected = packed()
+    model.load_state_dict({"body.0.bias": torch.full((4,), 7.0)}, strict=False)
+    state = model.state_dict()
+    assert state["body.0.bias"].tolist() == [7.0] * 4
+    assert all(torch.equal(state[k], expected[k]) for k in expected if k != "body.0.bias")
+    assert all(c.state is ChunkState.SHARDED for c in store.chunks)
+
+
+def test_load_with_assign_is_refused():
+    model, _, expected = packed()
+    with pytest.raises(ValueError, match="assign=True"):
+        model.load_state_dict(expected, assign=True)
