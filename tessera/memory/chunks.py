@@ -343,10 +343,10 @@ class WholeStateDict:
         self._leave(module)
 
     def _before_load(self, module: nn.Module, state: Any, prefix: str, local_metadata: Any, *args: Any) -> None:
-        if local_metadata.get("assign_to_params_buffers") and id(module) in self._own:
+        if local_metadata.get("assign_to_params_buffers"):  # refused at the first module, before any change
             raise ValueError(
-                f"load_state_dict(assign=True) would replace the parameters of {type(module).__name__} "
-                "that live in chunks (ZeRO-3 / chunked memory): load with assign=False"
+                f"load_state_dict(assign=True) would replace parameters of {type(module).__name__} that "
+                "live in chunks (ZeRO, chunked memory) with the given tensors: load with assign=False"
             )
         self._enter(module, "load")
 
@@ -360,7 +360,7 @@ class WholeStateDict:
             self._finish()  # left over from a call that raised: not our parent, so a new call
         if not self._stack:
             self._kind = kind
-            for _, m in module.named_modules(remove_duplicate=False):  # as state_dict visits them
+            for _, m in module.named_modules(remove_duplicate=False):  # as the call visits them
                 self._users_left.update(id(c) for c in self._own.get(id(m), ()))
         self._stack.append(module)
         for chunk in self._own.get(id(module), ()):

@@ -163,7 +163,12 @@ def test_a_partial_load_keeps_the_other_values():
     assert all(c.state is ChunkState.SHARDED for c in store.chunks)
 
 
-def test_load_with_assign_is_refused():
-    model, _, expected = packed()
+def test_load_with_assign_is_refused_before_anything_changes():
+    model, store, expected = packed()
+    weight = model.emb.weight
     with pytest.raises(ValueError, match="assign=True"):
-        model.load_state_dict(expected, assign=True)
+        model.load_state_dict({k: v + 1.0 for k, v in expected.items()}, assign=True)
+    assert model.emb.weight is weight
+    state = model.state_dict()
+    assert all(torch.equal(state[k], expected[k]) for k in expected)
+    assert all(c.state is ChunkState.SHARDED for c in store.chunks)
