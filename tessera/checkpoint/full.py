@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -14,7 +15,11 @@ from tessera import comm
 from tessera.context import ParallelContext
 from tessera.context.placement import Placement, ReleasableStorage, placement_of, storages_of
 from tessera.files import atomic_path
+from tessera.parallel.strategy import Strategy
 from tessera.parallel.tensor.common import gather_full, local_shard
+
+if TYPE_CHECKING:
+    from tessera.engine import Engine
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -24,36 +29,54 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+def _module_and_strategy(source: nn.Module | Engine) -> tuple[nn.Module, Strategy | None]:
+    """The user's module of a model or an engine, and the engine's strategy (None for a model)."""
+    strategy = getattr(source, "strategy", None)
+    if isinstance(strategy, Strategy):
+        return strategy.module, strategy
+    if isinstance(source, nn.Module):
+        return _unwrap(source), None
+    raise TypeError(f"full state dicts are taken of a model or an engine, not of {type(source).__name__}")
+
+
 def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and persistent buffers under their state-dict keys (tied ones under each key)."""
-    keys = set(module.state_dict().keys())
+    keys = set(module.state_dict(keep_vars=True).keys())  # the live tensors: nothing gathered or copied
     named: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
     named.update(module.named_buffers(remove_duplicate=False))
     return {k: v for k, v in named.items() if k in keys}
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of ``model`` as full CPU tensors under single-process keys.
+def full_state_dict(source: nn.Module | Engine) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer as full CPU tensors under single-process keys.
 
-    Collective (every rank of the model's layout must call it): a sharded parameter is gathered
-    along the axes of its placement's spec and its padding dropped, a pipeline stage's parameter
-    is sent from its stage, released storage is gathered first. Every rank returns the same dict.
+    ``source``: an engine, or a model (the user's module, or a wrapper of it). Given an engine
+    whose strategy keeps the weights it steps apart from the parameters (the fp32 masters of
+    ZeRO with bf16/fp16), the parameters are those weights, bitwise; given a model they are the
+    module's own parameters (bf16/fp16 there). Collective (every rank of the layout must call
+    it): a sharded parameter is gathered along the axes of its placement's spec and its padding
+    dropped, a pipeline stage's parameter is sent from its stage, released storage is gathered
+    first. Every rank returns the same dict.
     """
-    module = _unwrap(model)
+    module, strategy = _module_and_strategy(source)
+    named = _named_tensors(module)
+    weights = strategy.full_precision_weights() if strategy is not None else None
+    values = {id(p): value for p, value in weights or ()}
     out: dict[str, torch.Tensor] = {}
     gathered: dict[int, torch.Tensor] = {}  # tied parameters are gathered once
-    with _storage_gathered(module):
-        for key, tensor in _named_tensors(module).items():
+    with _storage_gathered(t for t in named.values() if id(t) not in values):
+        for key, tensor in named.items():
             if id(tensor) not in gathered:
-                gathered[id(tensor)] = _full_tensor(tensor).to("cpu", copy=True)
+                value = values.get(id(tensor), tensor)
+                gathered[id(tensor)] = _full_tensor(value, placement_of(tensor)).to("cpu", copy=True)
             out[key] = gathered[id(tensor)]
     return out
 
 
 @contextmanager
-def _storage_gathered(module: nn.Module) -> Iterator[list[ReleasableStorage]]:
-    """Every parameter of ``module`` readable inside the block (released storage gathered)."""
-    storages = storages_of(module.parameters())
+def _storage_gathered(tensors: Iterable[torch.Tensor]) -> Iterator[list[ReleasableStorage]]:
+    """Every one of ``tensors`` readable inside the block (released storage gathered)."""
+    storages = storages_of(tensors)
     with ExitStack() as stack:
         for storage in storages:
             stack.enter_context(storage.gathered())
@@ -66,11 +89,11 @@ def _mesh(placement: Placement, key: str) -> ParallelContext:
     return placement.mesh
 
 
-def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The full value of one parameter: gathered over the tensor axes that split it, and fetched
-    from the pipeline stage that trains it."""
+def _full_tensor(tensor: torch.Tensor, placement: Placement) -> torch.Tensor:
+    """The full value of one parameter (``tensor``: its value on this rank, placed by
+    ``placement``): gathered over the tensor axes that split it, and fetched from the pipeline
+    stage that trains it."""
     full = tensor.detach()
-    placement = placement_of(tensor)
     if placement.shard is not None:
         full = gather_full(full, placement.shard, _mesh(placement, "a sharded tensor"))
     mesh = placement.mesh
@@ -87,7 +110,7 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
     missing, unexpected = sorted(set(named) - set(state)), sorted(set(state) - set(named))
     if missing or unexpected:
         raise KeyError(f"state dict does not match the model: missing {missing}, unexpected {unexpected}")
-    with torch.no_grad(), _storage_gathered(module) as storages:
+    with torch.no_grad(), _storage_gathered(module.parameters()) as storages:
         for key, tensor in named.items():
             full = state[key]
             placement = placement_of(tensor)

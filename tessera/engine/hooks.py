@@ -169,7 +169,7 @@ class CheckpointHook(Hook):
         self.every = every
 
     def _save(self, trainer: Trainer, path: Path) -> None:
-        state = full_state_dict(trainer.engine.module)  # collective once layouts shard
+        state = full_state_dict(trainer.engine)  # collective; the fp32 masters where ZeRO keeps them
         if _is_rank0(trainer):
             save_weights(state, path)
 

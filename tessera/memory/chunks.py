@@ -13,17 +13,24 @@ A chunk created with ``keep_full=True`` (ZeRO stages 1 and 2) is always gathered
 is a view into the full buffer (no second copy); any other chunk starts SHARDED, holding only
 its shard. ZeRO-3 and the Gemini memory manager share
 this store; every state change goes through :meth:`Chunk.to_state`, which refuses illegal moves.
+
+A module whose parameters are views into released chunks would give ``state_dict()`` tensors
+with empty storage (and ``load_state_dict()`` would write into none); :class:`WholeStateDict`
+gathers the chunks around those calls, returns copies and takes the shards of loaded values.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
 from tessera import comm
 from tessera.comm import AxisGroup, Pending
@@ -266,3 +273,138 @@ class ChunkStore:
 
     def held_bytes(self) -> int:
         return sum(c.held_bytes() for c in self.chunks)
+
+
+class WholeStateDict:
+    """``module.state_dict()`` and ``module.load_state_dict()`` with whole tensors although
+    ``module``'s parameters are views into chunks that are released between uses
+    (``chunk_of``: a parameter's id to its chunk).
+
+    Hooks on every module holding such a parameter (and on their ancestors): before a module's
+    entries are written or read, its chunks are gathered; after them, a saved entry that views
+    a chunk which does not keep its full buffer is replaced by a copy. Once the last module
+    using a chunk is done, a load takes the chunk's shard from the loaded values and calls
+    ``on_loaded(chunk)`` (ZeRO's fp32 masters follow), and a chunk the call gathered is
+    released. A call thus holds the copies and the chunks in use, never the model twice, and
+    leaves every chunk as it found it. Tied parameters get one copy, shared by their keys, as
+    single-process tensors share storage. Collective over the chunks' groups: every member
+    makes the same call (each chunk is gathered once per call). ``state_dict(keep_vars=True)``
+    returns the live parameters (empty while released) and communicates nothing;
+    ``load_state_dict(assign=True)`` is refused (it would replace the chunks' views).
+    """
+
+    def __init__(
+        self, module: nn.Module, chunk_of: Mapping[int, Chunk], on_loaded: Callable[[Chunk], None] | None = None
+    ) -> None:
+        self._chunk_of = dict(chunk_of)
+        self._on_loaded = on_loaded
+        self._own: dict[int, list[Chunk]] = {}  # id(module) -> chunks of its own parameters
+        hooked: set[int] = set()
+        for path, m in module.named_modules(remove_duplicate=False):  # a shared module: every path
+            own = {id(self._chunk_of[id(p)]): self._chunk_of[id(p)] for p in m.parameters(recurse=False)
+                   if id(p) in self._chunk_of}  # fmt: skip
+            if own:
+                self._own[id(m)] = list(own.values())
+                hooked.update(id(a) for a in _ancestors(module, path))
+
+        def after_save(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+            self._after_save(module, state, prefix)  # a function: torch marks the post-hooks it is given
+
+        for m in module.modules():
+            if id(m) in hooked:
+                m.register_state_dict_pre_hook(self._before_save)
+                m.register_state_dict_post_hook(after_save)
+                m.register_load_state_dict_pre_hook(self._before_load)
+                m.register_load_state_dict_post_hook(self._after_load)
+        # the call in progress
+        self._kind = ""  # "save" or "load"
+        self._stack: list[nn.Module] = []  # modules whose call is running, outermost first
+        self._users_left: Counter[int] = Counter()  # id(chunk) -> modules of the call still to use it
+        self._touched: dict[int, Chunk] = {}  # chunks the call uses and is not through with
+        self._gathered: set[int] = set()  # chunks the call gathered (released again)
+        self._copies: dict[int, torch.Tensor] = {}  # id(parameter) -> its saved copy (ties share it)
+
+    # ---- the hooks -----------------------------------------------------------------------------
+    def _before_save(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if not keep_vars:
+            self._enter(module, "save")
+
+    def _after_save(self, module: nn.Module, state: dict[str, Any], prefix: str) -> None:
+        if not self._follows(module, "save"):
+            return  # keep_vars=True
+        for name, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            chunk = self._chunk_of.get(id(p))
+            key = prefix + name
+            if chunk is None or chunk.keep_full or key not in state:
+                continue
+            if id(p) not in self._copies:
+                self._copies[id(p)] = state[key].clone()
+            state[key] = self._copies[id(p)]
+        self._leave(module)
+
+    def _before_load(self, module: nn.Module, state: Any, prefix: str, local_metadata: Any, *args: Any) -> None:
+        if local_metadata.get("assign_to_params_buffers"):  # refused at the first module, before any change
+            raise ValueError(
+                f"load_state_dict(assign=True) would replace parameters of {type(module).__name__} that "
+                "live in chunks (ZeRO, chunked memory) with the given tensors: load with assign=False"
+            )
+        self._enter(module, "load")
+
+    def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
+        if self._follows(module, "load"):
+            self._leave(module)
+
+    # ---- one call ------------------------------------------------------------------------------
+    def _enter(self, module: nn.Module, kind: str) -> None:
+        if self._stack and (kind != self._kind or not any(c is module for c in self._stack[-1].children())):
+            self._finish()  # left over from a call that raised: not our parent, so a new call
+        if not self._stack:
+            self._kind = kind
+            for _, m in module.named_modules(remove_duplicate=False):  # as the call visits them
+                self._users_left.update(id(c) for c in self._own.get(id(m), ()))
+        self._stack.append(module)
+        for chunk in self._own.get(id(module), ()):
+            if chunk.state is ChunkState.SHARDED:
+                self._gathered.add(id(chunk))
+            chunk.gather()
+            self._touched[id(chunk)] = chunk
+
+    def _follows(self, module: nn.Module, kind: str) -> bool:
+        return bool(self._stack) and self._stack[-1] is module and self._kind == kind
+
+    def _leave(self, module: nn.Module) -> None:
+        self._stack.pop()
+        for chunk in self._own.get(id(module), ()):
+            self._users_left[id(chunk)] -= 1
+            if self._users_left[id(chunk)] <= 0:
+                self._done_with(chunk)
+        if not self._stack:
+            self._finish()
+
+    def _done_with(self, chunk: Chunk) -> None:
+        if self._touched.pop(id(chunk), None) is None:
+            return
+        if self._kind == "load":
+            chunk.scatter_from_full()
+            if self._on_loaded is not None:
+                self._on_loaded(chunk)
+        if id(chunk) in self._gathered:
+            self._gathered.discard(id(chunk))
+            chunk.release()
+
+    def _finish(self) -> None:
+        for chunk in list(self._touched.values()):
+            self._done_with(chunk)
+        self._stack.clear()
+        self._users_left.clear()
+        self._touched.clear()
+        self._gathered.clear()
+        self._copies.clear()
+
+
+def _ancestors(root: nn.Module, path: str) -> list[nn.Module]:
+    """The modules from ``root`` down to the submodule at ``path`` (both included)."""
+    found = [root]
+    for part in path.split(".") if path else []:
+        found.append(found[-1].get_submodule(part))
+    return found

@@ -89,6 +89,14 @@ class Strategy:
         ``optimizer_states``), or None when they are simply the module's and the optimizer's."""
         return None
 
+    def full_precision_weights(self) -> list[tuple[nn.Parameter, torch.Tensor]] | None:
+        """The weights the optimizer steps where they are kept apart from the module's parameters
+        (fp32 masters of bf16/fp16 parameters): ``(parameter, value)`` pairs, each value of the
+        parameter's shape on this rank (its tensor-parallel block) and whole over the data axis.
+        None when the parameters are those weights. Collective over the data axis: every rank
+        calls it. ``tessera.checkpoint.full_state_dict(engine)`` saves these values."""
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state, as a checkpoint must save it (a shard for sharded ones)."""
         return {"optimizer": self.optimizer.state_dict()}

@@ -39,7 +39,7 @@ from tessera import comm
 from tessera.comm import Pending
 from tessera.context import ParallelContext
 from tessera.context.placement import Placement, ZeroSlot, placement_of, set_placement, update_placement
-from tessera.memory.chunks import Chunk, ChunkStore, Slot
+from tessera.memory.chunks import Chunk, ChunkStore, Slot, WholeStateDict
 from tessera.memory.host import copy_to_device_, host_copy, wait_for_device
 from tessera.optim.host_adam import HostAdamW
 from tessera.optim.norms import global_grad_norm
@@ -128,6 +128,10 @@ class ZeroOptimizer:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._on_grad)
         self._release = ReleaseOnUse(model, self.store, self._slot_of) if policy.release_parameters else None
+        # model.state_dict() gathers released chunks and returns copies; model.load_state_dict()
+        # reaches the shards and the masters
+        chunk_of = {key: chunk for key, (chunk, _) in self._slot_of.items()}
+        self._state_dicts = WholeStateDict(model, chunk_of, on_loaded=self._masters_from_shard)
 
     # ---- construction ------------------------------------------------------------------------
     def _make_master(self, chunk: Chunk) -> torch.Tensor:
@@ -357,6 +361,27 @@ class ZeroOptimizer:
             states += [piece for pieces in self._pieces for piece, _, _ in pieces]
         return {"parameters": params, "gradients": grads, "optimizer_states": states}
 
+    def full_precision_weights(self) -> list[tuple[nn.Parameter, torch.Tensor]] | None:
+        """``(parameter, fp32 master)`` for every parameter, each master whole over the data axis
+        and of the parameter's shape on this rank, bitwise what the pieces hold; None in fp32,
+        where the parameter shards are the masters. Collective over the data axis (one
+        all-gather per chunk)."""
+        if self.param_dtype == torch.float32:
+            return None
+        masters: list[tuple[nn.Parameter, torch.Tensor]] = []
+        with torch.no_grad():
+            for chunk, pieces in zip(self.store.chunks, self._pieces):
+                # the pieces may be apart from each other (host AdamW's flat buffers): a shard of them
+                shard = torch.zeros(chunk.shard_numel, dtype=torch.float32, device=chunk.shard.device)
+                for piece, start, end in pieces:
+                    shard[start:end].copy_(piece)
+                full = torch.empty(chunk.padded_numel, dtype=torch.float32, device=shard.device)
+                comm.all_gather_into(full, shard, self.group)
+                for slot in chunk.slots:
+                    master = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                    masters.append((self.params[slot.index], master))
+        return masters
+
     @contextmanager
     def gathered(self) -> Iterator[None]:
         """Every parameter readable inside the block (released chunks are gathered, then released again)."""
@@ -366,11 +391,16 @@ class ZeroOptimizer:
     def params_loaded(self) -> None:
         """After new values were written into the (gathered) parameters: take the shards and
         masters from them."""
-        with torch.no_grad():
-            for chunk, pieces in zip(self.store.chunks, self._pieces):
-                chunk.scatter_from_full()
-                if self._separate and pieces:
-                    torch._foreach_copy_([p for p, _, _ in pieces], [chunk.shard[a:b] for _, a, b in pieces])
+        for chunk in self.store.chunks:
+            chunk.scatter_from_full()
+            self._masters_from_shard(chunk)
+
+    def _masters_from_shard(self, chunk: Chunk) -> None:
+        """New values reached ``chunk``'s shard: its fp32 masters (when apart) follow."""
+        pieces = self._pieces[chunk.index]
+        if self._separate and pieces:
+            with torch.no_grad():
+                torch._foreach_copy_([p for p, _, _ in pieces], [chunk.shard[a:b] for _, a, b in pieces])
 
     # ---- sharded checkpoints -----------------------------------------------------------------
     def held_pieces(self) -> list[tuple[str, nn.Parameter, nn.Parameter, int, int]]:

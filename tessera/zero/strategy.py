@@ -49,3 +49,6 @@ class Zero(Strategy):
 
     def checkpoint_loaded(self) -> None:
         self.sharded.masters_loaded()
+
+    def full_precision_weights(self) -> list[tuple[nn.Parameter, torch.Tensor]] | None:
+        return self.sharded.full_precision_weights()  # the fp32 masters (bf16/fp16), gathered over data

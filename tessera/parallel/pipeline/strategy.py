@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from tessera import comm
 from tessera.context.placement import placement_of, storages_of
@@ -78,6 +79,9 @@ class PipelineParallel(Strategy):
 
     def memory_parts(self) -> dict[str, list[torch.Tensor]] | None:
         return self.gradients.memory_parts()
+
+    def full_precision_weights(self) -> list[tuple[nn.Parameter, torch.Tensor]] | None:
+        return self.gradients.full_precision_weights()  # current on the stage that trains each
 
     def state_dict(self) -> dict[str, Any]:
         return self.gradients.state_dict()
