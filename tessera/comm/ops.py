@@ -172,9 +172,10 @@ def _failure(
     if _is_timeout(text):
         cause = found.text if found else "a peer rank died, hangs, or skipped this collective"
         error = CommTimeoutError(f"{_describe(op, group)} did not complete within {limit}: {cause}")
+    elif found and found.missing:  # e.g. gloo's "connection closed by peer", where the peer is only the messenger
+        error = CommError(f"{_describe(op, group)} failed: {found.text}; the backend said: {text}")
     else:
-        cause = f"; {found.text}" if found and found.missing else ""
-        error = CommError(f"{_describe(op, group)} failed: {text}{cause}")
+        error = CommError(f"{_describe(op, group)} failed: {text}")
     error.missing_ranks = found.missing if found else ()
     return error
 
