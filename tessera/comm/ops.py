@@ -11,6 +11,7 @@ launcher's key-value store (:mod:`tessera.comm.progress`), which the timed-out r
 from __future__ import annotations
 
 import datetime
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -103,13 +104,17 @@ class _Track:
 # id(process group) -> its track; the reference is weak, because a process group kept alive past
 # shutdown keeps its worker threads (see tessera.comm.group), and the track goes with the group
 _tracks: dict[int, _Track] = {}
+_tracks_lock = threading.Lock()  # two threads' first collectives on a group must share one count
 
 
 def _track(group: AxisGroup) -> _Track:
     pg = group.pg
     entry = _tracks.get(id(pg))
     if entry is None or entry.pg() is not pg:
-        entry = _tracks[id(pg)] = _new_track(group)
+        with _tracks_lock:
+            entry = _tracks.get(id(pg))
+            if entry is None or entry.pg() is not pg:
+                entry = _tracks[id(pg)] = _new_track(group)
     return entry
 
 
