@@ -19,7 +19,14 @@ class NotAvailableError(TesseraError, NotImplementedError):
 
 
 class CommError(TesseraError, RuntimeError):
-    """A collective or point-to-point operation failed; the message names rank, op and axis."""
+    """A collective or point-to-point operation failed; the message names rank, op and axis.
+
+    ``missing_ranks``: the global ranks that, as far as the other members' progress records
+    show, did not arrive at this collective (or entered a different one); empty when none was
+    found or the records could not be read.
+    """
+
+    missing_ranks: tuple[int, ...] = ()
 
 
 class CommTimeoutError(CommError, TimeoutError):

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from tessera.comm.ledger import record
-from tessera.comm.ops import Group, Pending, _nbytes, _wait, resolve
+from tessera.comm.ops import Group, Pending, _enter, _nbytes, _wait, resolve
+from tessera.comm.progress import Entered
 
 
 def _check_flat(full: torch.Tensor, shard: torch.Tensor, size: int, what: str) -> None:
@@ -37,8 +38,9 @@ def all_gather_into(full: torch.Tensor, shard: torch.Tensor, group: Group, async
             full.copy_(shard)
         return Pending(None, "all_gather", g, full)
     record("all_gather", g.name, g.size, _nbytes(full))
+    entered = _enter("all_gather", g)
     work = dist.all_gather_single(full, shard, g.pg, async_op=True)
-    pending = Pending(work, "all_gather", g, full)
+    pending = Pending(work, "all_gather", g, full, entered)
     if not async_op:
         pending.wait()
     return pending
@@ -57,8 +59,9 @@ def reduce_scatter_into(
         shard.copy_(full)
         return Pending(None, "reduce_scatter", g, shard)
     record("reduce_scatter", g.name, g.size, _nbytes(full))
+    entered = _enter("reduce_scatter", g)
     work = dist.reduce_scatter_single(shard, full, dist.ReduceOp.SUM, g.pg, async_op=True)
-    pending = _Scaled(work, g, shard, 1.0 / g.size if op == "avg" else None)
+    pending = _Scaled(work, g, shard, 1.0 / g.size if op == "avg" else None, entered)
     if not async_op:
         pending.wait()
     return pending
@@ -67,13 +70,15 @@ def reduce_scatter_into(
 class _Scaled(Pending):
     """A pending reduce-scatter whose result is divided once it has arrived (for averages)."""
 
-    def __init__(self, work: object, group: object, result: torch.Tensor, factor: float | None) -> None:
-        super().__init__(work, "reduce_scatter", group, result)  # type: ignore[arg-type]
+    def __init__(
+        self, work: object, group: object, result: torch.Tensor, factor: float | None, entered: Entered
+    ) -> None:
+        super().__init__(work, "reduce_scatter", group, result, entered)  # type: ignore[arg-type]
         self._factor = factor
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
-            _wait(self._work, self._op, self._group)
+            _wait(self._work, self._op, self._group, self._entered)
             self._work = None
             if self._factor is not None:
                 self._result.mul_(self._factor)
