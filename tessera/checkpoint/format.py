@@ -34,7 +34,6 @@ import torch
 
 from tessera.context.views import View
 from tessera.errors import TesseraError
-from tessera.files import atomic_path
 
 FORMAT = "tessera-sharded-checkpoint"
 VERSION = 1
@@ -133,23 +132,31 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
 
 
 def write_pieces(path: Path, pieces: Sequence[tuple[str, torch.Tensor]]) -> dict[str, int]:
-    """Write ``(key, tensor)`` pairs as one safetensors file at ``path`` (atomically); returns
-    each key's CRC-32."""
+    """Write ``(key, tensor)`` pairs as one safetensors file at ``path``, flushed to disk;
+    returns each key's CRC-32. For files inside a checkpoint's partial folder, which is synced
+    once and renamed into place when complete (so the file itself needs no rename)."""
     entries = [(key, dtype_name(tensor.dtype), tuple(tensor.shape)) for key, tensor in pieces]
     crcs: dict[str, int] = {}
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+    with open(path, "wb") as f:
         f.write(encode_header(entries, {"format": FORMAT}))
         for key, tensor in pieces:
             data = raw_bytes(tensor)
             crcs[key] = zlib.crc32(data)
             f.write(data)
         f.flush()
+        os.fsync(f.fileno())
     return crcs
 
 
 def write_json(path: Path, data: Any) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=False), encoding="utf-8")
+    """Write ``data`` as compact JSON at ``path`` inside a checkpoint's partial folder: flushed
+    to disk and renamed into place, so a reader sees all of it or no file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(data, separators=(",", ":")))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def read_json(path: Path, what: str) -> Any:
