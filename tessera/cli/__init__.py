@@ -81,7 +81,7 @@ BENCH_HELP: dict[str, str] = {
     "zero": "ZeRO 1-3 and offload vs torch FSDP2 and DeepSpeed, 4 ranks (about 4-5 min); the DeepSpeed rows "
     "need the bench extra: pip install -e '.[bench]'",
     "ckpt": "sharded checkpoint save/load vs torch.distributed.checkpoint, and the async save's stall, "
-    "4 ranks, DDP and ZeRO-3 (about 2 min)",
+    "4 ranks, DDP and ZeRO-3 (about 1 min)",
 }
 
 
