@@ -13,6 +13,14 @@ With ``blocking=False`` the pieces are first copied into host memory (the only t
 waits), then written by a background thread; ``wait()`` on the returned handle, or the next
 ``save``, waits for it.
 
+Saving the same tensors again (the usual case: one engine saved every so many steps) costs no
+new plan: each rank keeps its share of the last save (which pieces it writes, and for
+asynchronous saves the host buffer they are copied into, the size of those pieces), checks that
+it holds the same pieces (names, views, dtypes, sizes) and the ranks agree on that in one
+all-reduce of one integer; if any rank's pieces changed, every rank plans anew. The kept host
+buffer spares an asynchronous save the allocation (page faults, or pinning on a GPU host) of its
+copy; it stays allocated between saves.
+
 ``load(path, engine)`` fills each rank's tensors from the pieces that overlap them
 (``tessera.checkpoint.placing``), so a checkpoint written under one layout loads into any other.
 """
