@@ -337,8 +337,8 @@ def run(
     if unknown:
         raise ValueError(f"unknown layout(s) {', '.join(unknown)}; layouts: {', '.join(LAYOUTS)}")
     w = w or Workload()
-    folder = tempfile.mkdtemp(prefix="tessera-bench-ckpt-", dir=root)
     pool = RankPool(ranks)
+    folder = tempfile.mkdtemp(prefix="tessera-bench-ckpt-", dir=root)
     try:
         results = pool.run(rank_body, cases_of(layouts, w), w, folder, timeout=1800)[0]
     finally:
