@@ -3,7 +3,9 @@
 - sharded checkpoints (``save``, ``load``): every rank writes what it holds; any layout loads
   them (``tessera.checkpoint.sharded``; the format in ``tessera.checkpoint.format``);
 - full state dicts under the single-process keys (``full_state_dict``, ``load_full_state_dict``)
-  and single safetensors files of weights (``save_weights``, ``load_weights``).
+  and single safetensors files of weights (``save_weights``, ``load_weights``);
+- tools for a checkpoint folder (``tessera.checkpoint.tools``, ``tessera ckpt``): ``inspect``
+  what it holds and whether it is complete, ``consolidate`` it into one safetensors file.
 """
 
 from tessera.checkpoint.format import CheckpointError, read_index
@@ -19,12 +21,16 @@ from tessera.checkpoint.sharded import (
     step_folder,
     wait_for_saves,
 )
+from tessera.checkpoint.tools import consolidate, format_inspection, inspect
 
 __all__ = [
     "CheckpointError",
     "SaveHandle",
     "complete_checkpoints",
+    "consolidate",
+    "format_inspection",
     "full_state_dict",
+    "inspect",
     "is_complete",
     "latest",
     "load",

@@ -34,7 +34,6 @@ import torch
 
 from tessera.context.views import View
 from tessera.errors import TesseraError
-from tessera.files import atomic_path
 
 FORMAT = "tessera-sharded-checkpoint"
 VERSION = 1
@@ -81,7 +80,9 @@ def rank_report(rank: int) -> str:
     return f"rank{rank:05d}.json"
 
 
-def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+def raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of ``tensor`` in row-major order (a view where the tensor is a contiguous CPU
+    tensor, else of a contiguous CPU copy)."""
     flat = tensor.detach().reshape(-1)
     if flat.device.type != "cpu":
         flat = flat.cpu()
@@ -90,36 +91,72 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
-def write_pieces(path: Path, pieces: Sequence[tuple[str, torch.Tensor]]) -> dict[str, int]:
-    """Write ``(key, tensor)`` pairs as one safetensors file at ``path`` (atomically); returns
-    each key's CRC-32."""
-    header: dict[str, Any] = {"__metadata__": {"format": FORMAT}}
+def itemsize(dtype: str) -> int:
+    """Bytes per element of the index/safetensors dtype name ``dtype`` ("F32", "BF16", ...)."""
+    return dtype_of(dtype).itemsize
+
+
+def encode_header(entries: Sequence[tuple[str, str, Sequence[int]]], metadata: dict[str, str]) -> bytes:
+    """The start of a safetensors file holding ``(key, dtype name, shape)`` tensors stored one
+    after another in this order: the 8-byte header length and the JSON header, padded so that
+    the data starts 8-byte aligned."""
+    header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
-    for key, tensor in pieces:
-        nbytes = tensor.numel() * tensor.element_size()
-        header[key] = {
-            "dtype": dtype_name(tensor.dtype),
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
+    for key, dtype, shape in entries:
+        nbytes = math.prod(shape) * itemsize(dtype)
+        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    encoded += b" " * (-len(encoded) % 8)
+    return struct.pack("<Q", len(encoded)) + encoded
+
+
+def read_header(path: Path) -> tuple[dict[str, Any], int]:
+    """The JSON header of the safetensors file ``path`` and the file size it implies (the data
+    start plus the largest end offset). Raises ``ValueError`` for a file that is not one."""
+    with open(path, "rb") as f:
+        start = f.read(8)
+        if len(start) < 8:
+            raise ValueError("shorter than a safetensors header")
+        (length,) = struct.unpack("<Q", start)
+        if length > 100 * 2**20:
+            raise ValueError(f"a header of {length} bytes is not plausible")
+        text = f.read(length)
+    if len(text) < length:
+        raise ValueError("its header is cut short")
+    header = json.loads(text)
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")
+    ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    return header, 8 + length + max(ends, default=0)
+
+
+def write_pieces(path: Path, pieces: Sequence[tuple[str, torch.Tensor]]) -> dict[str, int]:
+    """Write ``(key, tensor)`` pairs as one safetensors file at ``path``, flushed to disk;
+    returns each key's CRC-32. For files inside a checkpoint's partial folder, which is synced
+    once and renamed into place when complete (so the file itself needs no rename)."""
+    entries = [(key, dtype_name(tensor.dtype), tuple(tensor.shape)) for key, tensor in pieces]
     crcs: dict[str, int] = {}
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)))
-        f.write(encoded)
+    with open(path, "wb") as f:
+        f.write(encode_header(entries, {"format": FORMAT}))
         for key, tensor in pieces:
-            data = _raw_bytes(tensor)
+            data = raw_bytes(tensor)
             crcs[key] = zlib.crc32(data)
             f.write(data)
         f.flush()
+        os.fsync(f.fileno())
     return crcs
 
 
 def write_json(path: Path, data: Any) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=False), encoding="utf-8")
+    """Write ``data`` as compact JSON at ``path`` inside a checkpoint's partial folder: flushed
+    to disk and renamed into place, so a reader sees all of it or no file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(data, separators=(",", ":")))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def read_json(path: Path, what: str) -> Any:
@@ -204,7 +241,7 @@ class Reader:
             value = handle.get_tensor(piece["key"])
         except Exception as exc:
             raise CheckpointError(f"{path}: cannot read the piece {piece['key']!r} of {tensor!r}: {exc}") from exc
-        if zlib.crc32(_raw_bytes(value)) != piece["crc32"]:
+        if zlib.crc32(raw_bytes(value)) != piece["crc32"]:
             raise CheckpointError(f"{path}: the piece {piece['key']!r} of {tensor!r} is corrupted (CRC-32 mismatch)")
         return value
 

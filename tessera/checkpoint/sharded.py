@@ -13,6 +13,14 @@ With ``blocking=False`` the pieces are first copied into host memory (the only t
 waits), then written by a background thread; ``wait()`` on the returned handle, or the next
 ``save``, waits for it.
 
+Saving the same tensors again (the usual case: one engine saved every so many steps) costs no
+new plan: each rank keeps its share of the last save (which pieces it writes, and for
+asynchronous saves the host buffer they are copied into, the size of those pieces), checks that
+it holds the same pieces (names, views, dtypes, sizes) and the ranks agree on that in one
+all-reduce of one integer; if any rank's pieces changed, every rank plans anew. The kept host
+buffer spares an asynchronous save the allocation (page faults, or pinning on a GPU host) of its
+copy; it stays allocated between saves.
+
 ``load(path, engine)`` fills each rank's tensors from the pieces that overlap them
 (``tessera.checkpoint.placing``), so a checkpoint written under one layout loads into any other.
 """
@@ -20,6 +28,7 @@ waits), then written by a background thread; ``wait()`` on the returned handle, 
 from __future__ import annotations
 
 import json
+import queue
 import shutil
 import threading
 import time
@@ -127,23 +136,145 @@ def _exchange(data: Any, ctx: ParallelContext) -> list[Any]:
     return [json.loads(bytes(gathered[r, :n].numpy())) for r, n in enumerate(lengths)]
 
 
-def _plan(described: list[list[dict[str, Any]]]) -> dict[tuple[str, str], int]:
+def _plan_key(name: str, view: dict[str, Any]) -> tuple[Any, ...]:
+    """A distinct piece: its name and (the JSON of) its view, hashable."""
+    flat = view["flat"]
+    return (name, tuple(view["local_shape"]), repr(view["segments"]), tuple(flat) if flat is not None else None)
+
+
+def _plan(described: list[list[dict[str, Any]]]) -> dict[tuple[Any, ...], int]:
     """Which rank writes each distinct piece ``(name, view)``: the holder with the fewest bytes
     assigned so far, largest pieces first (the same answer on every rank)."""
-    holders: dict[tuple[str, str], list[int]] = {}
-    sizes: dict[tuple[str, str], int] = {}
+    holders: dict[tuple[Any, ...], list[int]] = {}
+    sizes: dict[tuple[Any, ...], int] = {}
     for rank, pieces in enumerate(described):
         for p in pieces:
-            key = (p["name"], json.dumps(p["view"], sort_keys=True))
+            key = _plan_key(p["name"], p["view"])
             holders.setdefault(key, []).append(rank)
             sizes[key] = p["nbytes"]
     load = [0] * len(described)
-    plan: dict[tuple[str, str], int] = {}
-    for key in sorted(holders, key=lambda k: (-sizes[k], k)):
+    plan: dict[tuple[Any, ...], int] = {}
+    for key in sorted(holders, key=lambda k: (-sizes[k], repr(k))):
         writer = min(holders[key], key=lambda r: (load[r], r))
         plan[key] = writer
         load[writer] += sizes[key]
     return plan
+
+
+@dataclass
+class _Share:
+    """A rank's share of a save, kept for the next save while what every rank holds is the same:
+    ``signature`` of this rank's pieces (names, views, dtypes, sizes: all the plan depends on),
+    ``keys`` (key in this rank's file, index of the piece) of the pieces it writes, and the
+    host buffer asynchronous saves copy them into."""
+
+    ctx: ParallelContext
+    signature: list[tuple[str, View, torch.dtype, int]]
+    keys: list[tuple[str, int]]
+    staging: _Staging | None = None
+
+
+_kept: list[_Share] = []  # the last share (one engine saving repeatedly is the common case)
+
+
+def _signature(pieces: list[_Piece]) -> list[tuple[str, View, torch.dtype, int]]:
+    return [(p.name, p.view, p.tensor.dtype, p.tensor.numel()) for p in pieces]
+
+
+def _kept_share(pieces: list[_Piece], ctx: ParallelContext) -> _Share | None:
+    """The kept share if this rank holds what it held then (not yet agreed with the others)."""
+    if _kept and _kept[0].ctx is ctx and _kept[0].signature == _signature(pieces):
+        return _kept[0]
+    return None
+
+
+def _agreed(kept: _Share | None, ctx: ParallelContext) -> Any:
+    """Start asking every rank whether its kept share still holds (collective: one integer);
+    the returned future is true when every rank's does."""
+    changed = torch.tensor([0 if kept is not None else 1], dtype=torch.int64, device=ctx.device)
+    return comm.all_reduce_async(changed, ctx.group("world")).then(lambda f: int(f.value()[0]) == 0)
+
+
+def _share(pieces: list[_Piece], ctx: ParallelContext, kept: _Share | None = None, agreed: Any = None) -> _Share:
+    """The pieces this rank writes (collective). ``kept`` and ``agreed`` (:func:`_agreed`) may
+    be given if already asked; when every rank's kept share holds, no plan is made anew."""
+    if agreed is None:
+        kept = _kept_share(pieces, ctx)
+        agreed = _agreed(kept, ctx)
+    if agreed.wait() and kept is not None:
+        return kept
+    _kept.clear()
+    described = _exchange([p.describe() for p in pieces], ctx)
+    plan = _plan(described)
+    keys: list[tuple[str, int]] = []
+    for n, p in enumerate(pieces):
+        if plan[_plan_key(p.name, p.view.to_json())] == ctx.rank:
+            keys.append((f"{p.name}@{ctx.rank}.{n}", n))
+    share = _Share(ctx, _signature(pieces), keys)
+    _kept.append(share)
+    return share
+
+
+def _mine(share: _Share, pieces: list[_Piece]) -> list[tuple[str, _Piece]]:
+    return [(key, pieces[n]) for key, n in share.keys]
+
+
+class _Staging:
+    """Host memory for an asynchronous save's snapshot of this rank's share: one buffer, kept
+    between saves of the same share (no allocation, no page faults), filled in one call."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        offsets, total = [], 0
+        for t in tensors:
+            total = -(-total // 64) * 64  # every piece 64-byte aligned
+            offsets.append(total)
+            total += t.numel() * t.element_size()
+        pin = any(t.device.type == "cuda" for t in tensors) and torch.cuda.is_available()
+        self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+        self.views = [
+            self.buffer[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            for o, t in zip(offsets, tensors)
+        ]
+        self.layout = [(t.dtype, t.shape) for t in tensors]
+
+    def fits(self, tensors: list[torch.Tensor]) -> bool:
+        return self.layout == [(t.dtype, t.shape) for t in tensors]
+
+    def copy(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The values of ``tensors`` now, in host memory (valid until the next copy)."""
+        sources = [t.detach() for t in tensors]
+        if all(t.device.type == "cpu" for t in sources):
+            if sources:
+                torch._foreach_copy_(self.views, sources)
+        else:
+            for view, t in zip(self.views, sources):
+                view.copy_(t, non_blocking=True)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        return self.views
+
+
+def _snapshot(share: _Share, pieces: list[_Piece]) -> list[tuple[str, _Piece]]:
+    """This rank's pieces copied to host memory (the share's staging buffer)."""
+    mine = _mine(share, pieces)
+    tensors = [p.tensor for _, p in mine]
+    if share.staging is None or not share.staging.fits(tensors):
+        share.staging = _Staging(tensors)
+    copies = share.staging.copy(tensors)
+    return [(key, _Piece(p.name, c, p.view)) for (key, p), c in zip(mine, copies)]
+
+
+def held_tensors(engine: Any) -> list[tuple[str, torch.Tensor, View]]:
+    """Every tensor this rank holds for a checkpoint, under its index name (``model/<key>``,
+    ``optim/<key>/<state>``, ``rng/rank<r>/<name>``) with its view in full coordinates."""
+    return [(p.name, p.tensor, p.view) for p in _held_pieces(engine)[0]]
+
+
+def written_share(engine: Any) -> list[torch.Tensor]:
+    """The tensors this rank writes when ``engine`` is saved (replicas share the writing): what
+    ``save(..., blocking=False)`` copies to host memory. Collective."""
+    pieces = _held_pieces(engine)[0]
+    return [p.tensor for _, p in _mine(_share(pieces, engine.ctx), pieces)]
 
 
 # ---- saving ----------------------------------------------------------------------------------------
@@ -153,24 +284,44 @@ class SaveHandle:
     """A save in progress (``blocking=False``) or done: :meth:`wait` returns when this rank's
     part is written (and, on rank 0, the checkpoint is complete), raising what the writer raised."""
 
-    def __init__(self, path: Path, thread: threading.Thread | None = None) -> None:
+    def __init__(self, path: Path, finished: threading.Event | None = None) -> None:
         self.path = path
-        self._thread = thread
+        self._finished = finished
         self.error: BaseException | None = None
 
     def done(self) -> bool:
-        return self._thread is None or not self._thread.is_alive()
+        return self._finished is None or self._finished.is_set()
 
     def wait(self) -> Path:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        if self._finished is not None:
+            self._finished.wait()
+            self._finished = None
         if self.error is not None:
             error, self.error = self.error, None
             raise CheckpointError(f"saving {self.path} failed: {error}") from error
         return self.path
 
 
+class _Writer:
+    """The thread that writes asynchronous saves, one after another; started once per process
+    and kept (starting a thread per save would add its start-up to the time training waits)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, job: Callable[[], None]) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="tessera-checkpoint", daemon=True)
+            self._thread.start()
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while True:
+            self._jobs.get()()
+
+
+_writer = _Writer()
 _pending: list[SaveHandle] = []
 
 
@@ -205,31 +356,35 @@ def save(
             shutil.rmtree(partial)  # left by a save that was killed
         partial.mkdir()
     pieces, other = _held_pieces(engine)
-    described = _exchange([p.describe() for p in pieces], ctx)  # also: rank 0's folder exists now
-    plan = _plan(described)
-    mine: list[tuple[str, _Piece]] = []
-    for n, p in enumerate(pieces):
-        if plan[(p.name, json.dumps(p.view.to_json(), sort_keys=True))] == ctx.rank:
-            mine.append((f"{p.name}@{ctx.rank}.{n}", p))
+    kept = _kept_share(pieces, ctx)
+    agreed = _agreed(kept, ctx)  # collective; also: rank 0's folder exists once it completes
+    try:
+        # asynchronous, and this rank's share is as before: copy it while the ranks agree
+        early = _snapshot(kept, pieces) if kept is not None and not blocking else None
+        share = _share(pieces, ctx, kept, agreed)
+    except BaseException:
+        _kept.clear()  # the next save plans anew on every rank
+        raise
     report: dict[str, Any] = {"rank": ctx.rank, "rng": rng_json(), "optimizer_other": other}
     state = _run_state(engine, dataloader, extra, ctx) if ctx.rank == 0 else None
     if blocking:
-        _write(partial, final, ctx, mine, report, state, described)
+        _write(partial, final, ctx, _mine(share, pieces), report, state)
         comm.barrier(ctx.group("world"))  # complete when every rank returns
         return SaveHandle(final)
     # the pieces to host memory now; the writing later
-    snapshot = [(key, _Piece(p.name, p.tensor.detach().to("cpu", copy=True), p.view)) for key, p in mine]
-    handle = SaveHandle(final)
+    snapshot = early if early is not None and share is kept else _snapshot(share, pieces)
+    finished = threading.Event()
+    handle = SaveHandle(final, finished)
 
     def run() -> None:
         try:
-            _write(partial, final, ctx, snapshot, report, state, described)
+            _write(partial, final, ctx, snapshot, report, state)
         except BaseException as exc:  # reported by wait()
             handle.error = exc
+        finally:
+            finished.set()
 
-    thread = threading.Thread(target=run, name="tessera-checkpoint", daemon=True)
-    handle._thread = thread
-    thread.start()
+    _writer.submit(run)
     _pending.append(handle)
     return handle
 
@@ -241,7 +396,6 @@ def _write(
     mine: list[tuple[str, _Piece]],
     report: dict[str, Any],
     state: dict[str, Any] | None,
-    described: list[list[dict[str, Any]]],
 ) -> None:
     """Write this rank's file and report; rank 0 then waits for every report, writes the index
     and renames the folder into place."""
@@ -280,7 +434,7 @@ def _await_reports(partial: Path, world: int) -> list[dict[str, Any]]:
                 raise CheckpointError(
                     f"rank {rank} did not finish writing its part of {partial} within {comm.get_timeout():g}s"
                 )
-            time.sleep(0.01)
+            time.sleep(0.002)
         reports.append(read_json(report, "rank report"))
     return reports
 

@@ -1,4 +1,4 @@
-"""The ``tessera`` command: run, train, check, bench.
+"""The ``tessera`` command: run, train, check, bench, ckpt.
 
 Importing this module does not import torch: ``--help`` and ``--version`` answer at once, and
 ``train`` checks its config and layout before torch is loaded.
@@ -12,6 +12,7 @@ import platform
 import sys
 from collections.abc import Sequence
 
+from tessera.cli import ckpt
 from tessera.errors import TesseraError
 
 
@@ -68,6 +69,7 @@ BENCH_TARGETS: dict[str, str] = {  # name -> "module:function"; each strategy ad
     "tp": "tessera.bench.tp:main",
     "pp": "tessera.bench.pp:main",
     "zero": "tessera.bench.zero:main",
+    "ckpt": "tessera.bench.ckpt:main",
 }
 
 # name -> what it measures, how long it takes on 2 CPU cores, what it needs
@@ -78,6 +80,8 @@ BENCH_HELP: dict[str, str] = {
     "pp": "GPipe, 1F1B, interleaved, zero-bubble vs torch.distributed.pipelining, 2 and 4 ranks (about 1 min)",
     "zero": "ZeRO 1-3 and offload vs torch FSDP2 and DeepSpeed, 4 ranks (about 4-5 min); the DeepSpeed rows "
     "need the bench extra: pip install -e '.[bench]'",
+    "ckpt": "sharded checkpoint save/load vs torch.distributed.checkpoint, and the async save's stall, "
+    "4 ranks, DDP and ZeRO-3 (about 1 min)",
 }
 
 
@@ -109,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         "sequence parallelism and ZeRO, configured from a file.",
     )
     parser.add_argument("--version", action="version", version=f"tessera {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="{run,train,check,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,train,check,bench,ckpt}")
     sub.required = True
 
     sub.add_parser(
@@ -171,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
         "every mode with keep_blocks off and on, and the token count past which each moves fewer bytes than 1D",
     )
     bench.set_defaults(func=_cmd_bench)
+
+    ckpt.add_parser(sub)
     return parser
 
 
