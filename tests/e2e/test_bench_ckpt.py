@@ -8,7 +8,7 @@ from tests.e2e.test_bench import check
 
 
 def test_bench_ckpt_rows(tmp_path):
-    w = ckpt.Workload(preset="tiny", seq_len=16, micro_batch=2, reps=1, wide=64)
+    w = ckpt.Workload(preset="tiny", seq_len=16, micro_batch=2, reps=1, wide=(64,))
     rows = ckpt.run(ranks=2, w=w, root=str(tmp_path))
     data = check(rows, tmp_path, {"save_time_s", "load_time_s", "bytes_per_rank", "bytes_total", "async_stall_s"})
     names = {row["name"] for row in data}
