@@ -60,7 +60,7 @@ def initialize(
             raise ValueError("no config for this run; start it with tessera.launch(...) or pass config=")
         config = _config
     require_available(config)
-    return initialize_with(
+    engine, train_dataloader, test_dataloader, lr_scheduler = initialize_with(
         model,
         optimizer,
         criterion,
@@ -70,3 +70,5 @@ def initialize(
         ctx=ctx,
         options=training_options(config),
     )
+    engine.run_config = config  # what checkpoints record as the config that wrote them
+    return engine, train_dataloader, test_dataloader, lr_scheduler

@@ -465,6 +465,7 @@ def _run_state(engine: Any, dataloader: Any, extra: dict[str, Any] | None, ctx: 
         "layout": layout_of(ctx),
         "strategy": engine.strategy.name,
         "options": jsonable(engine.options),
+        "config": jsonable(getattr(engine, "run_config", None)),
         "engine": jsonable(engine.state_dict()),
         "optimizer": {"param_groups": groups},
         "scheduler": jsonable(scheduler.state_dict()) if scheduler is not None else None,

@@ -85,6 +85,8 @@ class Engine:
         self.last_step_skipped = False
         #: the learning-rate scheduler given to ``initialize`` (checkpoints save and load it)
         self.lr_scheduler: Any = None
+        #: the run's config, when ``tessera.initialize`` built the engine (checkpoints record it)
+        self.run_config: Any = None
 
     @property
     def model(self) -> nn.Module:

@@ -49,6 +49,9 @@ def test_a_checkpoint_loads_back_with_the_same_weights(tmp_path):
     assert load(tmp_path / "a", other) == 2
     expected, got = full_state_dict(engine.module), full_state_dict(other.module)
     assert all(torch.equal(expected[k], got[k]) for k in expected)
+    index = json.loads((tmp_path / "a" / "index.json").read_text())  # what wrote it
+    assert index["layout"]["world_size"] == 1 and index["strategy"] == "ddp" and index["step"] == 2
+    assert index["config"]["parallel"]["tensor"]["size"] == 1 and "optimizer" in index["config"]
 
 
 SAVER = textwrap.dedent(
