@@ -21,6 +21,8 @@ from tessera.checkpoint import load_weights, save_weights
 from tessera.config import load_config
 from tessera.engine import CheckpointHook, LogHook
 from tessera.files import atomic_path, current_umask, write_atomically
+from tessera.parallel.data import DataParallel
+from tessera.testing import use_layout
 from tessera.train import plot_losses, write_run_config
 
 
@@ -43,7 +45,9 @@ def listing(folder: Path) -> list[str]:
 
 
 def fake_trainer(module: nn.Module, step: int, metrics: dict) -> SimpleNamespace:
-    engine = SimpleNamespace(module=module, ctx=SimpleNamespace(rank=0))
+    # the weights hook reads the engine's strategy (full_state_dict(engine)): a one-rank DDP one
+    strategy = DataParallel(module, torch.optim.SGD(module.parameters(), lr=0.1), use_layout())
+    engine = SimpleNamespace(module=module, strategy=strategy, ctx=SimpleNamespace(rank=0))
     return SimpleNamespace(engine=engine, step=step, metrics=metrics)
 
 
