@@ -46,18 +46,17 @@ def train_save_continue(config: dict, path: str):
         engine.train_batch(it)
         scheduler.step()
     save(path, engine, dataloader=loader)
-    losses = []
-    for _ in range(AFTER):
-        losses.append(engine.train_batch(it))
-        scheduler.step()
-    state = full_state_dict(engine.model)
-    return (losses, state) if engine.ctx.rank == 0 else None
+    return go_on(engine, it, scheduler)
 
 
 def load_continue(config: dict, path: str):
     engine, loader, scheduler = setup(config, dropout=0.0)
     assert load(path, engine, dataloader=loader) == BEFORE
-    it = iter(loader)
+    return go_on(engine, iter(loader), scheduler)
+
+
+def go_on(engine, it, scheduler):
+    """The next 5 steps: their losses and the final weights (rank 0)."""
     losses = []
     for _ in range(AFTER):
         losses.append(engine.train_batch(it))
