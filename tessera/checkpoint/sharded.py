@@ -28,6 +28,7 @@ copy; it stays allocated between saves.
 from __future__ import annotations
 
 import json
+import os
 import queue
 import shutil
 import threading
@@ -317,8 +318,19 @@ class _Writer:
         self._jobs.put(job)
 
     def _run(self) -> None:
+        _lower_thread_priority()
         while True:
             self._jobs.get()()
+
+
+def _lower_thread_priority(niceness: int = 10) -> None:
+    """Run the calling thread at a lower CPU priority (Linux: per thread), so that writing a
+    checkpoint in the background yields the cores to training, including to other ranks still
+    taking their snapshot. Elsewhere, or if refused, nothing changes."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+    except (AttributeError, OSError):
+        pass
 
 
 _writer = _Writer()
