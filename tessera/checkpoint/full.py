@@ -15,7 +15,7 @@ from tessera import comm
 from tessera.context import ParallelContext
 from tessera.context.placement import Placement, ReleasableStorage, placement_of, storages_of
 from tessera.files import atomic_path
-from tessera.parallel.strategy import Strategy
+from tessera.parallel.strategy import Strategy, state_dict_keys
 from tessera.parallel.tensor.common import gather_full, local_shard
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ def _module_and_strategy(source: nn.Module | Engine) -> tuple[nn.Module, Strateg
 
 def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and persistent buffers under their state-dict keys (tied ones under each key)."""
-    keys = set(module.state_dict(keep_vars=True).keys())  # the live tensors: nothing gathered or copied
+    keys = state_dict_keys(module)
     named: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
     named.update(module.named_buffers(remove_duplicate=False))
     return {k: v for k, v in named.items() if k in keys}

@@ -21,8 +21,8 @@ all-reduce of one integer; if any rank's pieces changed, every rank plans anew. 
 buffer spares an asynchronous save the allocation (page faults, or pinning on a GPU host) of its
 copy; it stays allocated between saves.
 
-``load(path, engine)`` fills each rank's tensors from the pieces that overlap them
-(``tessera.checkpoint.placing``), so a checkpoint written under one layout loads into any other.
+Loading is ``tessera.checkpoint.loading``; finding and pruning checkpoint folders is
+``tessera.checkpoint.folders``.
 """
 
 from __future__ import annotations
@@ -52,20 +52,13 @@ from tessera.checkpoint.format import (
     index_entry,
     rank_file,
     rank_report,
-    read_index,
     read_json,
-    reading,
     write_json,
     write_pieces,
 )
-from tessera.checkpoint.placing import fill
-from tessera.checkpoint.runstate import jsonable, layout_of, restore_float, restore_rng, rng_json, rng_tensors
+from tessera.checkpoint.runstate import jsonable, layout_of, rng_json, rng_tensors
 from tessera.context import ParallelContext
 from tessera.context.views import HeldTensor, View, whole_view
-from tessera.parallel.strategy import state_dict_keys
-
-# optimizer settings that choose a kernel, not the arithmetic: the loading optimizer keeps its own
-_KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 
 @dataclass
@@ -87,7 +80,7 @@ class _Piece:
 # ---- what a rank holds ---------------------------------------------------------------------------
 
 
-def _optimizer_params(optimizer: Any) -> list[torch.Tensor]:
+def optimizer_params(optimizer: Any) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
@@ -99,7 +92,7 @@ def _held_pieces(engine: Any) -> tuple[list[_Piece], dict[str, dict[str, Any]]]:
     pieces = [_Piece(f"model/{h.key}", h.tensor, h.view) for h in held]
     by_id = {id(h.tensor): h for h in held}
     optimizer = strategy.optimizer
-    params = _optimizer_params(optimizer)
+    params = optimizer_params(optimizer)
     other: dict[str, dict[str, Any]] = {}
     for index, state in optimizer.state_dict()["state"].items():
         h = by_id.get(id(params[index]))
@@ -469,7 +462,6 @@ def _run_state(engine: Any, dataloader: Any, extra: dict[str, Any] | None, ctx: 
     optimizer = engine.strategy.optimizer
     groups = [{k: jsonable(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     scheduler = getattr(engine, "lr_scheduler", None)
-    aliases = _aliases(engine.module)
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -483,11 +475,11 @@ def _run_state(engine: Any, dataloader: Any, extra: dict[str, Any] | None, ctx: 
         "scheduler": jsonable(scheduler.state_dict()) if scheduler is not None else None,
         "dataloader": dataloader.state_dict() if dataloader is not None and hasattr(dataloader, "state_dict") else None,
         "extra": jsonable(extra) if extra is not None else None,
-        "aliases": aliases,
+        "aliases": aliases(engine.module),
     }
 
 
-def _aliases(module: torch.nn.Module) -> dict[str, str]:
+def aliases(module: torch.nn.Module) -> dict[str, str]:
     """Second and later state-dict keys of tied parameters -> the key they are saved under."""
     first: dict[int, str] = {}
     out: dict[str, str] = {}
@@ -497,145 +489,3 @@ def _aliases(module: torch.nn.Module) -> dict[str, str]:
         else:
             first[id(param)] = key
     return out
-
-
-# ---- loading ---------------------------------------------------------------------------------------
-
-
-def load(path: str | Path, engine: Any, *, dataloader: Any = None) -> int:
-    """Load the checkpoint folder ``path`` into ``engine`` (any layout; collective) and, if
-    given, ``dataloader``'s position; returns the step it was saved at."""
-    wait_for_saves()
-    folder = Path(path)
-    index = read_index(folder)
-    strategy, ctx = engine.strategy, engine.ctx
-    held: list[HeldTensor] = strategy.checkpoint_tensors()
-    tensors = index["tensors"]
-    _check_model(engine.module, held, tensors, folder)
-    with reading(folder) as reader:
-        for h in held:
-            fill(reader, f"model/{h.key}", tensors[f"model/{h.key}"], h.tensor, h.view)
-        _load_optimizer(strategy.optimizer, held, index, reader)
-        same_layout = index["layout"] == layout_of(ctx)
-        if same_layout:
-            prefix = f"rng/rank{ctx.rank}/"
-            rng = {
-                name[len(prefix) :]: reader.read(name, entry["pieces"][0])
-                for name, entry in tensors.items()
-                if name.startswith(prefix)
-            }
-            restore_rng(ctx, rng, index["ranks"][str(ctx.rank)]["rng"])
-    strategy.checkpoint_loaded()
-    engine.load_state_dict(index["engine"])
-    scheduler = getattr(engine, "lr_scheduler", None)
-    if scheduler is not None and index.get("scheduler") is not None:
-        scheduler.load_state_dict(index["scheduler"])
-    if dataloader is not None and index.get("dataloader") is not None:
-        dataloader.load_state_dict(index["dataloader"])
-    return int(index["step"])
-
-
-def _check_model(module: torch.nn.Module, held: list[HeldTensor], tensors: dict[str, Any], folder: Path) -> None:
-    """Fail, naming them, on keys the checkpoint lacks or has beyond the model, and on shapes."""
-    expected = state_dict_keys(module) - set(_aliases(module))
-    stored = {name[len("model/") :] for name in tensors if name.startswith("model/")}
-    missing, unexpected = sorted(expected - stored), sorted(stored - expected)
-    if missing or unexpected:
-        raise CheckpointError(
-            f"checkpoint {folder} does not fit the model: missing {_listed(missing)}, unexpected {_listed(unexpected)}"
-        )
-    wrong = [
-        f"{h.key}: checkpoint {tuple(tensors[f'model/{h.key}']['shape'])}, model {h.view.full_shape}"
-        for h in held
-        if tuple(tensors[f"model/{h.key}"]["shape"]) != h.view.full_shape
-    ]
-    if wrong:
-        raise CheckpointError(f"checkpoint {folder} does not fit the model: shapes differ: {'; '.join(wrong)}")
-
-
-def _listed(keys: list[str], at_most: int = 8) -> str:
-    shown = ", ".join(keys[:at_most])
-    return f"[{shown}{', ...' if len(keys) > at_most else ''}] ({len(keys)})" if keys else "none"
-
-
-def _load_optimizer(optimizer: Any, held: list[HeldTensor], index: dict[str, Any], reader: Any) -> None:
-    """Rebuild this rank's optimizer state (its pieces or blocks) and hyperparameters, and load
-    it through the optimizer's own ``load_state_dict`` (which places the tensors)."""
-    tensors = index["tensors"]
-    saved_groups = index["optimizer"]["param_groups"]
-    other = index["optimizer"].get("other", {})
-    names_of: dict[str, list[str]] = {}
-    for name in tensors:
-        if name.startswith("optim/"):
-            key, state = name[len("optim/") :].rsplit("/", 1)
-            names_of.setdefault(key, []).append(state)
-    by_id = {id(h.tensor): h for h in held}
-    current = optimizer.state_dict()
-    if len(current["param_groups"]) != len(saved_groups):
-        raise CheckpointError(
-            f"the optimizer has {len(current['param_groups'])} parameter groups, the checkpoint {len(saved_groups)}"
-        )
-    states: dict[int, dict[str, Any]] = {}
-    for i, param in enumerate(_optimizer_params(optimizer)):
-        h = by_id.get(id(param))
-        if h is None or (h.key not in names_of and h.key not in other):
-            continue
-        entry: dict[str, Any] = {}
-        for state_name in names_of.get(h.key, []):
-            name = f"optim/{h.key}/{state_name}"
-            stored = tensors[name]
-            if stored["shape"] == []:
-                entry[state_name] = reader.read(name, stored["pieces"][0]).clone()
-            else:
-                value = torch.empty(h.tensor.shape, dtype=dtype_of(stored["dtype"]))
-                fill(reader, name, stored, value, h.view)
-                entry[state_name] = value
-        entry.update({k: restore_float(v) for k, v in other.get(h.key, {}).items()})
-        states[i] = entry
-    for group, saved in zip(current["param_groups"], saved_groups):
-        group.update({k: _group_value(group.get(k), v) for k, v in saved.items() if k not in _KERNEL_KEYS})
-    current["state"] = states
-    optimizer.load_state_dict(current)
-
-
-def _group_value(current: Any, saved: Any) -> Any:
-    """A saved hyperparameter in the type the optimizer holds it (tuples stay tuples)."""
-    if isinstance(current, tuple) and isinstance(saved, list):
-        return tuple(saved)
-    return restore_float(saved)
-
-
-# ---- finding checkpoints ---------------------------------------------------------------------------
-
-
-def is_complete(path: str | Path) -> bool:
-    """Whether ``path`` is a finished checkpoint folder (it has its index)."""
-    return (Path(path) / INDEX).is_file()
-
-
-def step_folder(directory: str | Path, step: int) -> Path:
-    return Path(directory) / f"step-{step:08d}"
-
-
-def complete_checkpoints(directory: str | Path) -> list[Path]:
-    """The complete checkpoints under ``directory`` (``step-*`` folders with an index), oldest first."""
-    root = Path(directory)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.glob("step-*") if p.is_dir() and is_complete(p)]
-    return sorted(found, key=lambda p: p.name)
-
-
-def latest(directory: str | Path) -> Path | None:
-    """The newest complete checkpoint under ``directory``, or None."""
-    found = complete_checkpoints(directory)
-    return found[-1] if found else None
-
-
-def prune(directory: str | Path, keep_last: int, *, keep: Callable[[Path], bool] = lambda p: False) -> list[Path]:
-    """Delete all but the newest ``keep_last`` complete checkpoints under ``directory``."""
-    found = complete_checkpoints(directory)
-    doomed = [p for p in found[: max(0, len(found) - keep_last)] if not keep(p)]
-    for p in doomed:
-        shutil.rmtree(p, ignore_errors=True)
-    return doomed

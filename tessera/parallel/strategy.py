@@ -137,15 +137,10 @@ def module_tensors(module: nn.Module, holds: Callable[[torch.Tensor], bool]) -> 
 
 
 def state_dict_keys(module: nn.Module) -> set[str]:
-    """The keys ``module.state_dict()`` has (tied parameters under each of theirs), found without
-    calling it: under ZeRO-3 that call gathers every parameter."""
-    keys: set[str] = set()
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        dot = f"{prefix}." if prefix else ""
-        keys.update(dot + name for name, p in sub._parameters.items() if p is not None)
-        skip = sub._non_persistent_buffers_set
-        keys.update(dot + name for name, b in sub._buffers.items() if b is not None and name not in skip)
-    return keys
+    """The keys ``module.state_dict()`` has (tied parameters under each of theirs), taken with
+    ``keep_vars=True``: the live tensors, so nothing is gathered or copied (under ZeRO-3 a plain
+    ``state_dict()`` gathers every parameter)."""
+    return set(module.state_dict(keep_vars=True).keys())
 
 
 def view_of(param: torch.Tensor) -> View:
