@@ -258,6 +258,9 @@ def shutdown() -> None:
     go of their process groups before torch destroys them, so that each group's worker threads
     are joined here, while Python still runs (see ``tessera.comm.group``).
     """
+    saving = sys.modules.get("tessera.checkpoint.background")
+    if saving is not None:
+        saving.wait_for_saves()  # a save still being written finishes (its writer uses process groups)
     if dist.is_initialized():
         comm.barrier(comm.AxisGroup("world", tuple(range(dist.get_world_size())), dist.get_rank(), dist.group.WORLD))
         set_session(None, None)

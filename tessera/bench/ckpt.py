@@ -39,11 +39,13 @@ and optimizer state (their bytes over the world size).
 Asynchronous save: the wall time of ``save(path, engine, blocking=False)`` (how long training
 waits) against copying the same tensors (those this rank writes,
 ``tessera.checkpoint.sharded.written_share``) into host memory that holds them (allocated and
-touched before the timing: what any snapshot must at least do), alternated the same way; the
-background write finishes, untimed, before the next measurement. Besides both layouts, for
-wider models (``Workload.wide``: the same GPT at ``d_model`` 768 and 1536, ZeRO-3, about 128 MB
-and 512 MB per rank) whose copy weighs more against the fixed cost of a save call (listing the
-tensors, one all-reduce).
+touched before the timing: what any snapshot must at least do), alternated the same way, after
+the saves and loads (as in training, one asynchronous save after another; a load in between
+would make each the first save after a resume, which lists the tensors anew); the background
+write finishes, untimed, before the next measurement. Besides both layouts, for wider models
+(``Workload.wide``: the same GPT at ``d_model`` 768 and 1536, ZeRO-3, about 128 MB and 512 MB
+per rank) whose copy weighs more against the fixed cost of a save call (checking that the
+tensors are those of the last save, the random states, the counters).
 
 The files go to a temporary folder on the local disk (``tempfile``, so ``TMPDIR`` chooses it),
 removed at the end.
@@ -262,7 +264,8 @@ def _measure(case: Case, w: Workload, root: Path) -> dict[str, Any]:
     held = [torch.zeros_like(t, device="cpu") for t in share]
 
     def copy() -> None:
-        torch._foreach_copy_(held, [t.detach() for t in share])
+        with torch.no_grad():
+            torch._foreach_copy_(held, share)
 
     def finish() -> None:  # the background write, untimed
         while pending:
@@ -279,19 +282,24 @@ def _measure(case: Case, w: Workload, root: Path) -> dict[str, Any]:
             "tessera": lambda: load(folders.latest["tessera"], engine),
             "dcp": lambda: _dcp_load(engine, layout, folders.latest["dcp"]),
         }
-    rounds["async"] = {"tessera": stall, "copy": copy}
-    times: dict[str, dict[str, list[float]]] = {what: {side: [] for side in sides} for what, sides in rounds.items()}
-    for rnd in range(w.reps + 1):  # round 0 warms up, untimed
-        for what, sides in rounds.items():
-            got = _alternating(sides, rnd, group, finish)
-            for name, t in got.items():
-                if rnd:
-                    times[what][name].append(t)
-        if rnd:
-            _progress(group, f"{case.name(w, group.size)} round {rnd}/{w.reps}: " + "; ".join(
-                f"{what} " + ", ".join(f"{n} {v[-1]:.4f} s" for n, v in sides.items())
-                for what, sides in times.items()
-            ))  # fmt: skip
+    times: dict[str, dict[str, list[float]]] = {}
+    # saves and loads alternate; the asynchronous saves come after, one after another as in
+    # training (a load in between would give every one of them a run's first save after resuming)
+    phases = ([rounds] if rounds else []) + [{"async": {"tessera": stall, "copy": copy}}]
+    for phase in phases:
+        for what, sides in phase.items():
+            times[what] = {side: [] for side in sides}
+        for rnd in range(w.reps + 1):  # round 0 warms up, untimed
+            for what, sides in phase.items():
+                got = _alternating(sides, rnd, group, finish)
+                for name, t in got.items():
+                    if rnd:
+                        times[what][name].append(t)
+            if rnd:
+                _progress(group, f"{case.name(w, group.size)} round {rnd}/{w.reps}: " + "; ".join(
+                    f"{what} " + ", ".join(f"{n} {v[-1]:.4f} s" for n, v in times[what].items())
+                    for what in phase
+                ))  # fmt: skip
     out: dict[str, Any] = {"name": case.name(w, group.size), "times": times, "world": group.size}
     out["share_bytes"] = sum(t.numel() * t.element_size() for t in share)
     if case.dcp:

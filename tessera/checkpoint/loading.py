@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
+from tessera.checkpoint.background import wait_for_saves
 from tessera.checkpoint.format import CheckpointError, dtype_of, read_index, reading
+from tessera.checkpoint.holding import aliases, optimizer_params
 from tessera.checkpoint.placing import fill
 from tessera.checkpoint.runstate import layout_of, restore_float, restore_rng
-from tessera.checkpoint.sharded import aliases, optimizer_params, wait_for_saves
 from tessera.context.views import HeldTensor
 from tessera.parallel.strategy import state_dict_keys
 

@@ -72,22 +72,26 @@ def rng_tensors(ctx: ParallelContext) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in out.items()}
 
 
-def rng_json() -> dict[str, Any]:
-    """Python's and (if present) NumPy's generator states as JSON."""
-    version, state, gauss = random.getstate()
-    out: dict[str, Any] = {"python": [version, list(state), gauss]}
+def rng_states() -> tuple[Any, Any]:
+    """Python's and (if present) NumPy's generator states now, as they give them (copies):
+    :func:`rng_json` turns them into JSON later."""
     try:
         import numpy as np
     except ImportError:  # numpy is optional
+        return random.getstate(), None
+    return random.getstate(), np.random.get_state()
+
+
+def rng_json(states: tuple[Any, Any] | None = None) -> dict[str, Any]:
+    """Python's and (if present) NumPy's generator states (``states`` from :func:`rng_states`;
+    default: now) as JSON."""
+    python, numpy_state = states if states is not None else rng_states()
+    version, state, gauss = python
+    out: dict[str, Any] = {"python": [version, list(state), gauss]}
+    if numpy_state is None:
         return out
-    kind, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
-    out["numpy"] = [
-        kind,
-        keys.tolist(),  # type: ignore[attr-defined]
-        int(pos),
-        int(has_gauss),
-        float(cached),
-    ]
+    kind, keys, pos, has_gauss, cached = numpy_state
+    out["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]
     return out
 
 

@@ -43,6 +43,7 @@ class ParallelContext:
         self.coordinates = dims.coordinates(rank)
         self._groups: dict[AxisSpec, AxisGroup] = {}
         self._created: set[tuple[int, ...]] = set()  # member lists whose process group exists
+        self._side: dict[str, AxisGroup] = {}  # side_group()
         for axis in (*dims.axes, "world"):
             self._groups[axis] = self._build(axis)
         self.rng = RNGStreams(seed, dims, rank, self.device)
@@ -74,6 +75,19 @@ class ParallelContext:
         if key not in self._groups:
             self._groups[key] = self._build(key)
         return self._groups[key]
+
+    def side_group(self, name: str) -> AxisGroup:
+        """A second process group over every rank, named ``name``, for collectives issued off the
+        training thread (a background checkpoint writer): they never interleave with the
+        training's, which would hang or mix up both. gloo (CPU tensors) whatever the backend.
+
+        Collective the first time a name is asked for: every rank must ask at the same point.
+        """
+        if name not in self._side:
+            ranks = tuple(range(self.world_size))
+            pg = dist.new_group(list(ranks), backend="gloo") if self.world_size > 1 else None
+            self._side[name] = AxisGroup(name=name, ranks=ranks, rank=self.rank, pg=pg)
+        return self._side[name]
 
     def group(self, axis: AxisSpec) -> AxisGroup:
         """This rank's group along ``axis``; pass it to any ``tessera.comm`` function.

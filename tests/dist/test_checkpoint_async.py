@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera.checkpoint import full_state_dict, load, save, sharded
+from tessera.checkpoint import full_state_dict, load, planning, save
 from tests.dist.test_checkpoint_resume import BUCKET_MB, setup
 
 LAYOUTS = {
@@ -21,8 +21,8 @@ def save_while_training(config: dict, root: str):
     it = iter(loader)
     states = []
     exchanges = []
-    real_exchange = sharded._exchange
-    sharded._exchange = lambda data, ctx: exchanges.append(1) or real_exchange(data, ctx)  # type: ignore[assignment]
+    real_exchange = planning.exchange
+    planning.exchange = lambda *args: exchanges.append(1) or real_exchange(*args)  # type: ignore[assignment]
     try:
         for n in range(3):
             engine.train_batch(it)
@@ -32,13 +32,13 @@ def save_while_training(config: dict, root: str):
             engine.train_batch(it)  # while the files are written
             handle.wait()
     finally:
-        sharded._exchange = real_exchange  # type: ignore[assignment]
+        planning.exchange = real_exchange  # type: ignore[assignment]
     loaded = []
     for n in range(3):
         other, _, _ = setup(config, dropout=0.0)
         load(f"{root}/s{n}", other)
         loaded.append(full_state_dict(other.model))
-    kept = sharded._kept[0].staging is not None
+    kept = planning._kept[0].staging is not None
     return (states, loaded, kept, len(exchanges)) if engine.ctx.rank == 0 else None
 
 
@@ -51,3 +51,37 @@ def test_asynchronous_saves_hold_the_values_of_their_call(pools, tmp_path, layou
         for key in expected:
             assert torch.equal(got[key], expected[key]), key
     assert any(not torch.equal(states[0][k], states[1][k]) for k in states[0])  # training moved on
+
+
+def one_rank_changes(root: str):
+    """Two asynchronous saves under dp2; before the second, one rank's pieces change (a random
+    stream of its own appears) while the other's stay: each decides alone what to copy, and the
+    writers plan again among the ranks that copied each piece."""
+    engine, loader, scheduler = setup(LAYOUTS["dp2"], dropout=0.0)
+    it = iter(loader)
+    states, exchanges = [], []
+    real_exchange = planning.exchange
+    planning.exchange = lambda *args: exchanges.append(1) or real_exchange(*args)  # type: ignore[assignment]
+    try:
+        for n in range(3):
+            engine.train_batch(it)
+            if n == 2 and engine.ctx.rank == 1:
+                with engine.ctx.rng.fork("tensor", "data"):
+                    torch.rand(3)
+            states.append(full_state_dict(engine.model))
+            save(f"{root}/s{n}", engine, blocking=False).wait()
+    finally:
+        planning.exchange = real_exchange  # type: ignore[assignment]
+    loaded = []
+    for n in range(3):
+        other, _, _ = setup(LAYOUTS["dp2"], dropout=0.0)
+        load(f"{root}/s{n}", other)
+        loaded.append(full_state_dict(other.model))
+    return states, loaded, len(exchanges)
+
+
+def test_a_rank_whose_pieces_changed_alone_still_saves_everything(pools, tmp_path):
+    for states, loaded, exchanges in pools.run(2, one_rank_changes, str(tmp_path), timeout=300):
+        assert exchanges == 2  # the first save's plan, and the plan among the copies of the third
+        for expected, got in zip(states, loaded):
+            assert all(torch.equal(got[key], expected[key]) for key in expected)
