@@ -104,6 +104,7 @@ def save(
         return _save_now(final, engine, dataloader, extra)
     # collective the first time: every rank is in this call
     group = ctx.side_group("checkpoint") if ctx.world_size > 1 else None
+    partial = _fresh_partial(final) if ctx.rank == 0 else partial_folder(final)  # a bad path fails here
     held = holding(engine, check_layout=False)
     kept, copied, copies = _snapshot(held, ctx)
     if not layout_holds(held):  # a kept tensor changed dtype (or shape) in place: list anew
@@ -114,9 +115,8 @@ def save(
     other = jsonable(held.other)
 
     def job() -> None:
-        partial = _fresh_partial(final) if ctx.rank == 0 else partial_folder(final)
-        try:
-            keys = planning.settle(held.signature, ctx, kept, copied, group)  # rank 0's folder exists
+        try:  # the other ranks write once this returns: rank 0's folder exists by then
+            keys = planning.settle(held.signature, ctx, kept, copied, group)
         except BaseException:
             planning.forget()
             raise
