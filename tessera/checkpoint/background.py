@@ -17,8 +17,9 @@ from tessera.checkpoint.format import CheckpointError
 class Staging:
     """Host memory for an asynchronous save's snapshot: one buffer holding a tensor of each
     ``(dtype, shape)`` of ``layout`` (64-byte aligned), kept between saves of the same share (no
-    allocation, no page faults), filled in one call. ``touch``: write every page now (so that
-    the first copy into it does not fault them in while training waits)."""
+    allocation, no page faults), filled in one call. ``pin``: page-locked (for copies from a
+    GPU; ignored without CUDA). ``touch``: write every page now (so that the first copy into it
+    does not fault them in while training waits)."""
 
     def __init__(self, layout: Sequence[tuple[torch.dtype, torch.Size]], pin: bool = False, touch: bool = False):
         offsets, total = [], 0
@@ -34,16 +35,6 @@ class Staging:
             for o, (dtype, shape) in zip(offsets, layout)
         ]
         self.layout = list(layout)
-
-    @staticmethod
-    def for_tensors(tensors: Sequence[torch.Tensor], touch: bool = False) -> Staging:
-        pin = any(t.device.type == "cuda" for t in tensors)
-        return Staging([(t.dtype, t.shape) for t in tensors], pin=pin, touch=touch)
-
-    def fits(self, tensors: Sequence[torch.Tensor]) -> bool:
-        return len(self.layout) == len(tensors) and all(
-            (t.dtype, t.shape) == kind for t, kind in zip(tensors, self.layout)
-        )
 
     def copy(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The values of ``tensors`` now, in host memory (valid until the next copy)."""

@@ -165,11 +165,8 @@ def settle(
     """An asynchronous save, in the background: the ranks agree (collective over ``group``, the
     writers' own) on which of the pieces each ``copied`` this rank writes; the keys and indices
     of those. Keeps the balanced plan for the next save when it changed."""
-    if group is not None:
-        changed = comm.all_reduce(torch.tensor([0 if kept is not None else 1], dtype=torch.int64), group)
-        if int(changed[0]) == 0 and kept is not None:
-            return kept.keys
-    elif kept is not None:
+    agreed = group is None or _agreed(kept, group, torch.device("cpu")).wait()  # every rank asks
+    if agreed and kept is not None:
         return kept.keys
     forget()
     chosen = set(copied)

@@ -135,11 +135,11 @@ def _snapshot(held: Holding, ctx: ParallelContext) -> tuple[planning.Share | Non
     if kept is not None:
         copied = [n for _, n in kept.keys]
         if kept.staging is None:
-            kept.staging = Staging(kinds(held.signature, copied))
+            kept.staging = Staging(kinds(held.signature, copied), pin=ctx.device.type == "cuda")
         staging = kept.staging
     else:  # this rank's tensors changed (or its first save)
         copied = list(range(len(held.pieces)))
-        staging = Staging(kinds(held.signature, copied))
+        staging = Staging(kinds(held.signature, copied), pin=ctx.device.type == "cuda")
     try:
         copies = staging.copy([held.pieces[n].tensor for n in copied])
     except RuntimeError:
@@ -172,7 +172,8 @@ def _prepare_staging(ctx: ParallelContext, held: Holding) -> None:
     allocated and touched now, in the background, rather than during the next save."""
     share = planning.kept_share(held.signature, ctx)
     if share is not None and share.staging is None:
-        share.staging = Staging(kinds(held.signature, [n for _, n in share.keys]), touch=True)
+        indices = [n for _, n in share.keys]
+        share.staging = Staging(kinds(held.signature, indices), pin=ctx.device.type == "cuda", touch=True)
 
 
 def _write(
