@@ -32,6 +32,7 @@ _EXPORTS: dict[str, str] = {
     "launch_from_torch": "tessera.launcher",
     "shutdown": "tessera.launcher",
     "current_config": "tessera.session",
+    "deferred_init": "tessera.init",
     "initialize": "tessera.session",
 }
 
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from tessera.context import ParallelContext, ParallelDims, get_context
     from tessera.engine import Engine, Trainer
     from tessera.errors import CommError, CommTimeoutError, ConfigError, NotAvailableError, TesseraError
+    from tessera.init import deferred_init
     from tessera.launcher import launch, launch_from_openmpi, launch_from_slurm, launch_from_torch, shutdown
     from tessera.session import current_config, initialize
 
@@ -70,6 +72,7 @@ __all__ = [
     "TesseraError",
     "__version__",
     "current_config",
+    "deferred_init",
     "get_context",
     "initialize",
     "launch",

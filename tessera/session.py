@@ -16,6 +16,7 @@ from tessera.config.options import training_options
 from tessera.context import ParallelContext, get_context, set_context
 from tessera.engine import Engine
 from tessera.engine import initialize as initialize_with
+from tessera.init.materialise import Source
 
 _config: Config | None = None
 
@@ -44,6 +45,7 @@ def initialize(
     *,
     ctx: ParallelContext | None = None,
     config: Config | None = None,
+    init: Source = "random",
 ) -> tuple[Engine, DataLoader | None, DataLoader | None, Any]:
     """Return ``(engine, train_dataloader, test_dataloader, lr_scheduler)`` for the current layout
     (or ``ctx``) and the launched config (or ``config``).
@@ -53,6 +55,12 @@ def initialize(
     samples (their ``batch_size`` stays the per-rank micro-batch). The optimizer must have been
     built over ``model``'s parameters; the scheduler is returned unchanged (step it yourself or
     with the Trainer's LR hook).
+
+    A model built under ``tessera.deferred_init()`` is made here, each rank only what it keeps;
+    ``init`` says from what: ``"random"`` (its construction replayed, the single-process
+    values), a checkpoint folder or full-state ``.safetensors`` file, or a function
+    ``fn(name, shape, dtype)`` returning each tensor's full value (for models whose construction
+    cannot be replayed). For a model built normally, a path or function in ``init`` loads it.
     """
     ctx = ctx or get_context()
     if config is None:
@@ -69,6 +77,7 @@ def initialize(
         lr_scheduler,
         ctx=ctx,
         options=training_options(config),
+        init=init,
     )
     engine.run_config = config  # what checkpoints record as the config that wrote them
     return engine, train_dataloader, test_dataloader, lr_scheduler

@@ -94,6 +94,8 @@ def _full_tensor(tensor: torch.Tensor, placement: Placement) -> torch.Tensor:
     ``placement``): gathered over the tensor axes that split it, and fetched from the pipeline
     stage that trains it."""
     full = tensor.detach()
+    if full.is_meta:  # a deferred model's parameter of another pipeline stage: received below
+        full = torch.empty(full.shape, dtype=full.dtype, device=_mesh(placement, "a parameter").device)
     if placement.shard is not None:
         full = gather_full(full, placement.shard, _mesh(placement, "a sharded tensor"))
     mesh = placement.mesh

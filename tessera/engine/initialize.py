@@ -8,6 +8,7 @@ launched config (``tessera.session``).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,9 @@ from tessera.context.placement import placement_of
 from tessera.engine.engine import Engine
 from tessera.engine.options import TrainingOptions
 from tessera.errors import ConfigError, NotAvailableError
+from tessera.init.allocate import to_device
+from tessera.init.materialise import Source, capture, check_recording, loadable, materialise
+from tessera.init.recording import recording_of
 from tessera.parallel.data import AverageAtStep, DataParallel, distributed_loader
 from tessera.parallel.pipeline.partition import blocks_of
 from tessera.parallel.pipeline.stage import PipelineStage
@@ -38,6 +42,7 @@ def initialize(
     *,
     ctx: ParallelContext,
     options: TrainingOptions,
+    init: Source = "random",
 ) -> tuple[Engine, DataLoader | None, DataLoader | None, Any]:
     """Return ``(engine, train_dataloader, test_dataloader, lr_scheduler)`` for ``ctx``'s layout.
 
@@ -45,13 +50,30 @@ def initialize(
     the data loaders are rebuilt so that each data-parallel rank reads its own samples (their
     ``batch_size`` stays the per-rank micro-batch). The optimizer must have been built over
     ``model``'s parameters; the scheduler is returned unchanged.
+
+    A model built under ``tessera.deferred_init()`` is made here, only what this rank keeps,
+    from ``init``: ``"random"`` (its recorded construction replayed: single-process values), a
+    checkpoint folder or full-state ``.safetensors`` path, or ``fn(name, shape, dtype)``
+    returning each tensor's full value. A model built normally is loaded from ``init`` when it
+    names a path or a function.
     """
     model_params = {id(p) for p in model.parameters()}
     stray = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in model_params]
     if stray:
         raise ValueError(f"the optimizer holds {len(stray)} parameter(s) that are not the model's")
-    model.to(ctx.device)
+    rec = recording_of(itertools.chain(model.parameters(), model.buffers()))
+    wants = []
+    if rec is not None:
+        check_recording(rec, model, init)
+        wants = capture(model, rec)
+        to_device(model, ctx.device)
+    else:
+        model.to(ctx.device)
     strategy = choose_strategy(model, optimizer, criterion, ctx, options)
+    if rec is not None or not (isinstance(init, str) and init == "random"):
+        if rec is None:
+            wants = loadable(model)
+        materialise(strategy, wants, rec, init, ctx.device)
     engine = Engine(strategy, criterion, ctx=ctx, options=options)
     engine.lr_scheduler = lr_scheduler
     data_group = ctx.group("data")

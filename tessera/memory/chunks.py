@@ -193,12 +193,15 @@ class ChunkStore:
         keep_full: bool = False,
         bins: Sequence[int] | None = None,
         on_close: Callable[[Chunk], None] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         """``named``: the tensors to pack; ``dtype``: the chunks' dtype (default: each tensor's);
         ``bins``: a label per tensor (a parameter group, a block of the model); tensors of
         different labels never share a chunk; ``on_close(chunk)``: called as soon as each
         chunk is filled (to re-point its tensors and release it before the next is built, so
-        that packing a model never holds all of it twice)."""
+        that packing a model never holds all of it twice); ``device``: the chunks' device
+        (default: each first tensor's). Tensors on the meta device (a deferred model) are
+        not copied: their values are written into the chunks later."""
         if chunk_numel < 1:
             raise ValueError(f"chunk_numel={chunk_numel} must be at least 1")
         self.group = group
@@ -215,14 +218,17 @@ class ChunkStore:
                 slots.append(Slot(name, index, tensor.shape, offset, tensor.numel()))
                 offset += tensor.numel()
             first = pending[0][2]
-            chunk = Chunk(slots, dtype or first.dtype, first.device, group, keep_full, index=len(self.chunks))
+            chunk = Chunk(slots, dtype or first.dtype, device or first.device, group, keep_full, index=len(self.chunks))
             with torch.no_grad():
                 if keep_full:
                     for (_, _, tensor), slot in zip(pending, slots):
-                        chunk.view(slot).copy_(tensor)
+                        if not tensor.is_meta:
+                            chunk.view(slot).copy_(tensor)
                 else:  # only this member's part goes into its shard
                     by_index = {index: tensor for index, _, tensor in pending}
                     for slot, start, end in chunk.shard_pieces():
+                        if by_index[slot.index].is_meta:
+                            continue
                         at = chunk.shard_range[0] + start - slot.offset
                         chunk.shard[start:end].copy_(by_index[slot.index].reshape(-1)[at : at + end - start])
             for slot in slots:

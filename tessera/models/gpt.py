@@ -15,10 +15,9 @@ import torch
 from torch import nn
 
 from tessera import nn as tnn
-from tessera.checkpoint import load_full_state_dict
 from tessera.context.placement import full_numel
 from tessera.errors import ConfigError
-from tessera.models.transformer import Block, StagePart, gpt2_rule, init_full_state
+from tessera.models.transformer import Block, StagePart, gpt2_rule, reset_in_full
 
 
 def _field(default: Any, doc: str) -> Any:
@@ -101,7 +100,7 @@ class GPT(nn.Module):
 
     def reset_parameters(self) -> None:
         """GPT-2 initialisation, drawn in full and sharded, so every layout starts alike."""
-        load_full_state_dict(self, init_full_state(self, gpt2_rule(self.config.n_layers)))
+        reset_in_full(self, gpt2_rule(self.config.n_layers))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids [batch, seq] (int64, seq <= max_seq_len) -> logits [batch, seq, vocab_size]."""

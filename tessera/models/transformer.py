@@ -12,6 +12,7 @@ from torch import nn
 
 from tessera import nn as tnn
 from tessera.context.placement import placement_of
+from tessera.parallel.tensor.common import local_shard
 
 
 class SelfAttention(nn.Module):
@@ -89,17 +90,23 @@ def full_shape(param: torch.Tensor) -> tuple[int, ...]:
     return placement_of(param).full_shape(param)
 
 
-def init_full_state(module: nn.Module, rule: Callable[[str, tuple[int, ...]], torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Full initial tensors made by ``rule(name, full_shape)`` in parameter order: the same
-    values in every layout, since every rank draws them from the same seeded stream. A tied
-    parameter is drawn once, under its first name."""
-    drawn: dict[int, torch.Tensor] = {}
-    out = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        if id(param) not in drawn:
-            drawn[id(param)] = rule(name, full_shape(param))
-        out[name] = drawn[id(param)]
-    return out
+def reset_in_full(module: nn.Module, rule: Callable[[str, tuple[int, ...]], torch.Tensor]) -> None:
+    """Give every parameter the full value ``rule(name, full_shape)`` draws, in parameter order,
+    keeping this rank's block of it: the same values in every layout (every rank draws the
+    same seeded stream), one full tensor at a time. A tied parameter is drawn once, under its
+    first name."""
+    drawn: set[int] = set()
+    with torch.no_grad():
+        for name, param in module.named_parameters(remove_duplicate=False):
+            if id(param) in drawn:
+                continue
+            drawn.add(id(param))
+            full = rule(name, full_shape(param))
+            placement = placement_of(param)
+            if placement.shard is not None:
+                assert placement.mesh is not None
+                full = local_shard(full.to(param.dtype), placement.shard, placement.mesh)
+            param.copy_(full)
 
 
 def gpt2_rule(n_layers: int) -> Callable[[str, tuple[int, ...]], torch.Tensor]:
@@ -115,6 +122,6 @@ def gpt2_rule(n_layers: int) -> Callable[[str, tuple[int, ...]], torch.Tensor]:
         if leaf == "bias":
             return torch.zeros(shape)
         std = residual_std if name.endswith(("attn.out.weight", "mlp.proj.weight")) else 0.02
-        return torch.randn(shape) * std
+        return torch.randn(shape).mul_(std)  # in place: one full tensor at a time
 
     return rule

@@ -12,9 +12,8 @@ import torch
 from torch import nn
 
 from tessera import nn as tnn
-from tessera.checkpoint import load_full_state_dict
 from tessera.context.placement import full_numel
-from tessera.models.transformer import Block, StagePart, gpt2_rule, init_full_state
+from tessera.models.transformer import Block, StagePart, gpt2_rule, reset_in_full
 
 
 @dataclass(frozen=True)
@@ -72,7 +71,7 @@ class ViT(nn.Module):
         def rule(name: str, shape: tuple[int, ...]) -> torch.Tensor:
             return torch.zeros(shape) if name.endswith("cls_token") else base(name, shape)
 
-        load_full_state_dict(self, init_full_state(self, rule))
+        reset_in_full(self, rule)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = self.embed(images)

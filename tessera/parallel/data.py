@@ -16,6 +16,7 @@ from tessera import comm
 from tessera.comm import AxisGroup
 from tessera.context import ParallelContext
 from tessera.errors import ConfigError
+from tessera.init.allocate import allocate_module
 from tessera.parallel.strategy import Strategy
 
 
@@ -173,6 +174,7 @@ class DataParallel(Strategy):
         self.module = module
         self.optimizer = optimizer
         self.ctx = ctx
+        allocate_module(module, ctx.device, lambda p: True)  # a deferred model: DDP needs real tensors
         self.model = wrap_data_parallel(module, ctx.group("data"), ctx.device)
 
     def forward(self, *args: Any, final: bool = True, **kwargs: Any) -> Any:

@@ -39,6 +39,7 @@ from tessera import comm
 from tessera.comm import Pending
 from tessera.context import ParallelContext
 from tessera.context.placement import Placement, ZeroSlot, placement_of, set_placement, update_placement
+from tessera.init.allocate import set_data
 from tessera.memory.chunks import Chunk, ChunkStore, Slot, WholeStateDict
 from tessera.memory.host import copy_to_device_, host_copy, wait_for_device
 from tessera.optim.host_adam import HostAdamW
@@ -91,7 +92,7 @@ class ZeroOptimizer:
         def adopt(chunk: Chunk) -> None:
             for slot in chunk.slots:
                 p = entries[slot.index][1]
-                p.data = chunk.view(slot)  # the parameter now lives in its chunk; its old storage goes
+                set_data(p, chunk.view(slot))  # the parameter now lives in its chunk; its old storage goes
                 self._slot_of[id(p)] = (chunk, slot)
                 update_placement(p, storage=self)  # full state dicts gather and load through this
             if policy.release_parameters:
@@ -106,6 +107,7 @@ class ZeroOptimizer:
             keep_full=not policy.release_parameters,
             bins=bins,
             on_close=adopt,
+            device=ctx.device,
         )
         self._chunk_bin = {c.index: group_of[c.slots[0].index] for c in self.store.chunks}
         self._pieces: list[list[tuple[nn.Parameter, int, int]]] = []  # per chunk: (piece, start, end)

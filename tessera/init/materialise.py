@@ -1,0 +1,234 @@
+"""Making a deferred model's tensors, only those this rank keeps, from a source of values.
+
+``initialize`` builds the strategy over the deferred model (its tensors still on the meta
+device: a strategy allocates what it keeps, ZeRO-3 only its chunk shards), then calls
+:func:`materialise`, which fills what the strategy holds (``Strategy.checkpoint_tensors``: its
+tensor-parallel blocks, ZeRO pieces, the stage's parameters) and the module's buffers from one
+of the sources, one tensor at a time:
+
+- ``"random"``: the recorded construction, replayed (``tessera.init.replay``): the values of a
+  single-process build under the same seed;
+- a checkpoint folder (``tessera.checkpoint.save``'s format) or a ``.safetensors`` file with the
+  full state under single-process keys: read tensor by tensor, each rank only its slices (a
+  file's tensor is read whole, one at a time);
+- ``init_fn(name, shape, dtype) -> tensor``: the full value of each tensor, one at a time.
+
+Buffers and tensors a model keeps as plain attributes (a causal mask) are made whole on every
+rank; they are not in checkpoints when not persistent, so they always come from the replay (or
+``init_fn``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tessera.checkpoint.format import index_entry
+from tessera.checkpoint.placing import fill
+from tessera.context.views import View, whole_view
+from tessera.init.allocate import allocate_module
+from tessera.init.recording import DeferredInitError, Recording, Ref, forget
+from tessera.init.replay import replay
+from tessera.parallel.strategy import view_of
+
+InitFn = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
+Source = str | Path | InitFn
+
+
+@dataclass
+class Want:
+    """One tensor of the deferred model: its key (state-dict key, or module path of a plain
+    attribute), where it lives (``owner``'s parameter, buffer or attribute ``attr``), its
+    recorded ref and its block's view in full coordinates (a tensor-parallel block's)."""
+
+    key: str
+    owner: nn.Module
+    attr: str
+    kind: str  # "parameter", "buffer" or "attribute"
+    ref: Ref
+    view: View
+    targets: list[tuple[torch.Tensor, View]] = field(default_factory=list)
+
+    def live(self) -> torch.Tensor:
+        if self.kind == "parameter":
+            return self.owner._parameters[self.attr]  # type: ignore[return-value]
+        if self.kind == "buffer":
+            return self.owner._buffers[self.attr]  # type: ignore[return-value]
+        return getattr(self.owner, self.attr)  # type: ignore[no-any-return]
+
+
+def capture(module: nn.Module, rec: Recording) -> list[Want]:
+    """Every deferred tensor of ``module`` (tied parameters once, under their first key), taken
+    before a strategy replaces any of them."""
+    wants: list[Want] = []
+    seen: set[int] = set()
+    for prefix, owner in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for kind, tensors in (("parameter", owner._parameters), ("buffer", owner._buffers)):
+            for attr, t in tensors.items():
+                if t is None or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                ref = rec.ref_of(t)
+                if ref is not None:
+                    view = view_of(t) if kind == "parameter" else whole_view(t.shape)
+                    wants.append(Want(dot + attr, owner, attr, kind, ref, view))
+        for attr, t in vars(owner).items():
+            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and id(t) not in seen:
+                seen.add(id(t))
+                ref = rec.ref_of(t)
+                if ref is not None:
+                    wants.append(Want(dot + attr, owner, attr, "attribute", ref, whole_view(t.shape)))
+    return wants
+
+
+def loadable(module: nn.Module) -> list[Want]:
+    """The parameters and persistent buffers of a model built normally, as wants (for loading
+    a checkpoint or a file into it through :func:`materialise`)."""
+    keys = _state_keys(module)
+    wants: list[Want] = []
+    seen: set[int] = set()
+    for prefix, owner in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for kind, tensors in (("parameter", owner._parameters), ("buffer", owner._buffers)):
+            for attr, t in tensors.items():
+                if t is None or id(t) in seen or dot + attr not in keys:
+                    continue
+                seen.add(id(t))
+                ref = Ref(-1, t.dtype, tuple(t.shape), tuple(t.stride()), 0)
+                view = view_of(t) if kind == "parameter" else whole_view(t.shape)
+                wants.append(Want(dot + attr, owner, attr, kind, ref, view))
+    return wants
+
+
+def check_recording(rec: Recording, model: nn.Module, source: Source) -> None:
+    """Refuse a recording that cannot be replayed (unless ``init_fn`` makes every value)."""
+    if rec.problems and not callable(source):
+        where = "; ".join(rec.problems[:3]) + (f" (and {len(rec.problems) - 3} more)" if len(rec.problems) > 3 else "")
+        raise DeferredInitError(
+            f"{type(model).__name__} cannot be initialised from its deferred construction: it reads tensor values "
+            f"while it is built ({where}), and on the meta device those values do not exist. Build it outside "
+            "tessera.deferred_init(), or pass init=fn to initialize, where fn(name, shape, dtype) returns the full "
+            "initial value of each parameter and buffer (or init='path' to load them from a checkpoint)"
+        )
+
+
+def materialise(strategy: Any, wants: list[Want], rec: Recording | None, source: Source, device: torch.device) -> None:
+    """Fill what ``strategy`` holds of the model, and the module's deferred buffers, from
+    ``source`` (see the module docstring); then let the strategy's derived copies follow."""
+    allocate_module(strategy.module, device, strategy.holds)
+    by_key = {w.key: w for w in wants}
+    for held in strategy.checkpoint_tensors():
+        want = by_key.get(held.key)
+        if want is not None:
+            want.targets.append((held.tensor, held.view))
+    for want in wants:
+        if want.kind != "parameter" and not want.targets:  # non-persistent buffers, attributes
+            want.targets.append((want.live(), want.view))
+    if callable(source):
+        _fill_from_fn(wants, source)
+    elif source == "random":
+        assert rec is not None
+        _fill_from_replay(wants, rec)
+    else:
+        resident = [w for w in wants if w.kind != "parameter" and w.key not in _state_keys(strategy.module)]
+        _fill_from_file(Path(source), [w for w in wants if w not in resident])
+        if resident and rec is not None:
+            _fill_from_replay(resident, rec)
+    strategy.checkpoint_loaded()
+    if rec is not None:
+        forget(rec)
+
+
+def _state_keys(module: nn.Module) -> set[str]:
+    return set(module.state_dict(keep_vars=True).keys())
+
+
+class _Values:
+    """A reader over values at hand, for ``tessera.checkpoint.placing.fill``."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def read(self, name: str, piece: dict[str, Any]) -> torch.Tensor:
+        return self.value
+
+
+def _put(want: Want, value: torch.Tensor, view: View) -> None:
+    """Write ``value`` (the tensor's values over ``view``: its block, or the whole) into every
+    target of ``want``."""
+    entry = index_entry(view.full_shape, value.dtype)
+    entry["pieces"].append({"file": "", "key": want.key, **view.to_json()})
+    reader = _Values(value)
+    for tensor, target_view in want.targets:
+        fill(reader, want.key, entry, tensor, target_view)  # type: ignore[arg-type]
+
+
+def _fill_from_replay(wants: list[Want], rec: Recording) -> None:
+    state = torch.get_rng_state()
+    untouched = torch.equal(state, rec.rng_state)  # nothing drew between construction and now
+    pending: dict[int, list[Want]] = {}
+    for want in wants:
+        if want.targets:
+            pending.setdefault(want.ref.sid, []).append(want)
+    for sid, storage in replay(rec, set(pending)):
+        for want in pending.pop(sid):
+            ref = want.ref
+            value = torch.empty(0, dtype=ref.dtype).set_(storage, ref.offset, ref.size, ref.stride)
+            _put(want, value, want.view)
+    if not untouched:
+        torch.set_rng_state(state)  # draws made since construction keep their place
+    if pending:
+        keys = [w.key for ws in pending.values() for w in ws]
+        raise DeferredInitError(f"the recorded construction never made {', '.join(keys[:5])}")
+
+
+def _fill_from_fn(wants: list[Want], init_fn: InitFn) -> None:
+    for want in wants:
+        if not want.targets:
+            continue
+        shape = want.view.full_shape
+        value = init_fn(want.key, shape, want.ref.dtype)
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise DeferredInitError(f"init_fn({want.key!r}, {shape}, {want.ref.dtype}) returned {got}, not a tensor of {shape}")
+        _put(want, value.detach().cpu(), whole_view(shape))
+
+
+def _fill_from_file(path: Path, wants: list[Want]) -> None:
+    if path.is_dir():
+        from tessera.checkpoint.format import read_index, reading
+
+        index = read_index(path)
+        tensors = index["tensors"]
+        missing = [w.key for w in wants if f"model/{w.key}" not in tensors]
+        if missing:
+            raise DeferredInitError(f"{path} has no values for {', '.join(missing[:8])}")
+        with reading(path) as reader:
+            for want in wants:
+                for tensor, view in want.targets:
+                    fill(reader, f"model/{want.key}", tensors[f"model/{want.key}"], tensor, view)
+        return
+    if not path.is_file():
+        raise DeferredInitError(f"init={str(path)!r}: no such checkpoint folder or safetensors file")
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        keys = set(handle.keys())
+        missing = [w.key for w in wants if w.targets and w.key not in keys]
+        if missing:
+            raise DeferredInitError(f"{path} has no values for {', '.join(missing[:8])}")
+        for want in wants:
+            if want.targets:
+                value = handle.get_tensor(want.key)
+                if tuple(value.shape) != want.view.full_shape:
+                    raise DeferredInitError(
+                        f"{path}: {want.key} has shape {tuple(value.shape)}, the model {want.view.full_shape}"
+                    )
+                _put(want, value, whole_view(want.view.full_shape))
+

@@ -1,0 +1,277 @@
+"""Building a model without allocating it: ``tessera.deferred_init()`` records construction.
+
+Inside the block every tensor is made on the meta device (shapes and dtypes, no memory) and
+every operation on those tensors is written down in order: the ``empty`` a layer makes its
+weight with, the ``uniform_`` its initialiser draws, the slicing a tensor-parallel layer keeps
+its block with, the ``normal_`` a model's own init function redraws it with. The record is a
+:class:`Recording`; ``tessera.init.replay`` runs the part of it that a rank needs, on real
+memory, one tensor at a time, drawing from the random stream in the very order a
+single-process build would have (so the values are the single-process ones).
+
+What cannot be replayed is noted rather than failed on the spot: a model that reads a tensor's
+value while it is built (``.item()``, ``if w.abs().max() > 1``) gets a made-up value (zero)
+during the record, and ``initialize`` refuses the recording, saying where the read happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from tessera.errors import TesseraError
+
+__all__ = ["DeferredInitError", "Op", "Recording", "Ref", "deferred_init", "recording_of"]
+
+
+class DeferredInitError(TesseraError, RuntimeError):
+    """A deferred model cannot be materialised as recorded (the message says what to do)."""
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A tensor of the recording: storage ``sid`` seen as ``dtype`` with this size, stride and
+    offset (in elements)."""
+
+    sid: int
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.size:
+            n *= s
+        return n
+
+
+# In-place ops that write every element of their first argument whatever it held before: after
+# one of them (over a whole storage) the storage's earlier values are never needed.
+_OVERWRITING = {
+    "uniform_", "normal_", "random_", "bernoulli_", "exponential_", "geometric_", "cauchy_",
+    "log_normal_", "fill_", "zero_", "copy_",
+}  # fmt: skip
+
+
+@dataclass
+class Op:
+    """One recorded operation: ``func(*args, **kwargs)`` with :class:`Ref` in place of the
+    recorded tensors, its output refs, and which storages it creates, writes (in place), wholly
+    overwrites and reads; ``rng``: whether it draws from a random generator."""
+
+    func: Any
+    args: Any
+    kwargs: Any
+    outputs: list[Ref]
+    creates: frozenset[int]
+    writes: frozenset[int]
+    overwrites: frozenset[int]
+    reads: frozenset[int]
+    rng: bool
+
+
+class Recording:
+    """The operations that built a deferred model, in order, with the random states they start
+    from (the default CPU generator's at the start of the block; an explicit generator's when
+    first used)."""
+
+    def __init__(self) -> None:
+        self.ops: list[Op] = []
+        self.rng_state = torch.get_rng_state()
+        self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
+        self.problems: list[str] = []
+        self.nbytes: dict[int, int] = {}  # sid -> bytes of its storage
+        self._sids: dict[int, int] = {}  # storage address -> sid
+        self._storages: list[Any] = []  # kept alive, so that no address is reused while recording
+        self.materialised = False
+
+    # ---- what the recorder calls -----------------------------------------------------------
+    def ref(self, t: torch.Tensor) -> tuple[Ref, bool]:
+        """The ref of meta tensor ``t`` and whether its storage is new to the recording."""
+        storage = t.untyped_storage()
+        address = storage._cdata
+        new = address not in self._sids
+        if new:
+            self._sids[address] = len(self._sids)
+            self._storages.append(storage)
+            self.nbytes[self._sids[address]] = storage.nbytes()
+        ref = Ref(self._sids[address], t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
+        return ref, new
+
+    def sid_of(self, t: torch.Tensor) -> int | None:
+        """The storage id of meta tensor ``t`` (None when the recording never saw it)."""
+        if not isinstance(t, torch.Tensor) or not t.is_meta:
+            return None
+        return self._sids.get(t.untyped_storage()._cdata)
+
+    def ref_of(self, t: torch.Tensor) -> Ref | None:
+        sid = self.sid_of(t)
+        if sid is None:
+            return None
+        return Ref(sid, t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
+
+    def note_generator(self, value: Any) -> None:
+        if isinstance(value, torch.Generator) and id(value) not in self.generators:
+            self.generators[id(value)] = (value, value.get_state())
+
+
+_recordings: list[Recording] = []  # recordings whose model has not been materialised yet
+
+
+def recording_of(tensors: Any) -> Recording | None:
+    """The recording that made the first meta tensor among ``tensors`` (None if none is meta)."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.is_meta:
+            for rec in reversed(_recordings):
+                if rec.sid_of(t) is not None:
+                    return rec
+            raise DeferredInitError(
+                "the model has tensors on the meta device that tessera.deferred_init() did not record; "
+                "build it inside `with tessera.deferred_init():` (or with real tensors)"
+            )
+    return None
+
+
+def forget(rec: Recording) -> None:
+    """Drop a recording once its model is materialised."""
+    rec.materialised = True
+    if rec in _recordings:
+        _recordings.remove(rec)
+
+
+def _user_frame() -> str:
+    """Where in the user's code the current operation comes from (file:line and the line)."""
+    for frame in reversed(traceback.extract_stack()[:-3]):
+        path = frame.filename.replace("\\", "/")
+        if "/torch/" in path or "/tessera/init/" in path or path.startswith("<"):
+            continue
+        return f"{frame.filename}:{frame.lineno} ({(frame.line or '').strip()})"
+    return "an unknown place"
+
+
+# torch.nn.init functions that do nothing on the meta device (they draw a data-dependent number
+# of values, or read them): recorded as one call each and run as called when replayed.
+_OPAQUE_INIT = ("trunc_normal_", "orthogonal_", "dirac_", "sparse_")
+
+
+def _opaque(rec: Recording, original: Any) -> Any:
+    def init(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not (isinstance(tensor, torch.Tensor) and tensor.is_meta):
+            return original(tensor, *args, **kwargs)
+        ref, _ = rec.ref(tensor)
+        for value in (*args, *kwargs.values()):
+            rec.note_generator(value)
+        whole = ref.offset == 0 and tensor.is_contiguous() and tensor.numel() * tensor.element_size() == rec.nbytes[ref.sid]
+        overwrites = frozenset({ref.sid}) if whole else frozenset()
+        reads = frozenset() if whole else frozenset({ref.sid})
+        rec.ops.append(Op(original, (ref, *args), kwargs, [], frozenset(), frozenset({ref.sid}), overwrites, reads, True))
+        return tensor
+
+    return init
+
+
+_FAKE_SCALARS = {"_local_scalar_dense", "equal", "is_nonzero"}
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, rec: Recording) -> None:
+        super().__init__()
+        self.rec = rec
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        flat_in, _ = tree_flatten((args, kwargs))
+        if not any(isinstance(t, torch.Tensor) and t.is_meta for t in flat_in):
+            out = func(*args, **kwargs)
+            flat_out, _ = tree_flatten(out)
+            if not any(isinstance(t, torch.Tensor) and t.is_meta for t in flat_out):
+                return out  # nothing of the deferred model
+        elif func.__name__.split(".")[0] in _FAKE_SCALARS:
+            self.rec.problems.append(f"{_user_frame()} reads a tensor's value ({func.__name__})")
+            return False if func.__name__.startswith(("equal", "is_nonzero")) else 0
+        else:
+            out = func(*args, **kwargs)
+        return self._record(func, args, kwargs, out)
+
+    def _record(self, func: Any, args: Any, kwargs: Any, out: Any) -> Any:
+        rec = self.rec
+        reads: set[int] = set()
+        writes: set[int] = set()
+        overwrites: set[int] = set()
+        schema = func._schema.arguments
+        positional = list(args)
+        for i, value in enumerate(positional):
+            if isinstance(value, torch.Tensor) and value.is_meta and i < len(schema):
+                alias = schema[i].alias_info
+                if alias is not None and alias.is_write:
+                    writes.add(rec.ref(value)[0].sid)
+        for name, value in kwargs.items():
+            arg = next((a for a in schema if a.name == name), None)
+            if isinstance(value, torch.Tensor) and value.is_meta and arg is not None and arg.alias_info is not None:
+                if arg.alias_info.is_write:
+                    writes.add(rec.ref(value)[0].sid)
+
+        def to_ref(value: Any) -> Any:
+            rec.note_generator(value)
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                ref, _ = rec.ref(value)
+                reads.add(ref.sid)
+                return ref
+            return value  # constants, and real tensors made outside the block (kept as they are)
+
+        rec_args = tree_map(to_ref, args)
+        rec_kwargs = tree_map(to_ref, kwargs)
+        name = func.__name__.split(".")[0]
+        if name in _OVERWRITING and positional and isinstance(positional[0], torch.Tensor) and positional[0].is_meta:
+            target = positional[0]
+            sid = rec.ref(target)[0].sid
+            whole = target.storage_offset() == 0 and target.is_contiguous()
+            if whole and target.numel() * target.element_size() == rec.nbytes[sid]:
+                overwrites.add(sid)
+        outputs: list[Ref] = []
+        creates: set[int] = set()
+        for value in tree_flatten(out)[0]:
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                ref, new = rec.ref(value)
+                outputs.append(ref)
+                if new:
+                    creates.add(ref.sid)
+        rng = torch.Tag.nondeterministic_seeded in func.tags
+        rec.ops.append(
+            Op(func, rec_args, rec_kwargs, outputs, frozenset(creates), frozenset(writes), frozenset(overwrites),
+               frozenset(reads - overwrites), rng)
+        )  # fmt: skip
+        return out
+
+
+@contextlib.contextmanager
+def deferred_init() -> Iterator[Recording]:
+    """Build models without allocating them::
+
+        with tessera.deferred_init():
+            model = MyModel(...)
+        engine, *_ = tessera.initialize(model, optimizer, ...)
+
+    Inside the block tensors are made on the meta device and every operation on them is
+    recorded; ``initialize`` then makes only what this rank keeps (its tensor-parallel blocks,
+    its pipeline stages' layers, its ZeRO-3 pieces), with the values single-process
+    construction would have given under the same seed. Yields the :class:`Recording`."""
+    rec = Recording()
+    _recordings.append(rec)
+    originals = {name: getattr(torch.nn.init, name) for name in _OPAQUE_INIT}
+    try:
+        for name, original in originals.items():
+            setattr(torch.nn.init, name, _opaque(rec, original))
+        with torch.device("meta"), _Recorder(rec):
+            yield rec
+    finally:
+        for name, original in originals.items():
+            setattr(torch.nn.init, name, original)

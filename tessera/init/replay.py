@@ -1,0 +1,88 @@
+"""Running a :class:`~tessera.init.recording.Recording` on real memory for the tensors a rank keeps.
+
+``replay(rec, targets)`` yields each target storage as soon as no later operation touches it,
+then frees it; the caller takes what it needs (its block, its ZeRO piece) before asking for the
+next. Only the operations a target's final value depends on run, plus every random draw (so
+the stream advances exactly as in single-process construction): a draw whose values nobody
+needs runs into a scratch buffer of its tensor's size that is freed at once. A storage lives
+from the first operation that needs it to the last one, so the largest memory in use is about
+one full tensor at a time for models initialised tensor by tensor (a layer's init, then the
+model's own init), the GPT's and ViT's included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from tessera.init.recording import Recording, Ref
+
+
+def needed_ops(rec: Recording, targets: set[int]) -> list[bool]:
+    """For each op of ``rec``, whether it must run: it draws random numbers, or it makes or
+    changes a storage whose value a target depends on (a backward liveness pass: an op that
+    wholly overwrites or creates a storage ends the need for what the storage held before)."""
+    live = set(targets)
+    needed = [False] * len(rec.ops)
+    for i in range(len(rec.ops) - 1, -1, -1):
+        op = rec.ops[i]
+        if op.rng or (op.creates | op.writes) & live:
+            needed[i] = True
+            live -= op.creates | op.overwrites
+            live |= op.reads
+    return needed
+
+
+def _sids(op: Any) -> set[int]:
+    return set(op.creates | op.writes | op.reads | op.overwrites)
+
+
+def replay(rec: Recording, targets: set[int], device: torch.device | str = "cpu") -> Iterator[tuple[int, Any]]:
+    """Yield ``(sid, storage)`` for each storage in ``targets`` once its value is final (valid
+    until the next item is asked for). Draws from the default CPU generator starting at the
+    state the recording began with; the caller restores the generator afterwards as it sees fit."""
+    device = torch.device(device)
+    needed = needed_ops(rec, targets)
+    last: dict[int, int] = {}
+    for i, op in enumerate(rec.ops):
+        if needed[i]:
+            for sid in _sids(op):
+                last[sid] = i
+    torch.set_rng_state(rec.rng_state)
+    for generator, state in rec.generators.values():
+        generator.set_state(state)
+    real: dict[int, Any] = {}
+
+    def tensor(ref: Ref) -> torch.Tensor:
+        storage = real.get(ref.sid)
+        if storage is None:  # first touched by an op that overwrites it (or draws into it)
+            storage = real[ref.sid] = torch.UntypedStorage(rec.nbytes[ref.sid], device=device)
+        return torch.empty(0, dtype=ref.dtype, device=device).set_(storage, ref.offset, ref.size, ref.stride)
+
+    def arg(value: Any) -> Any:
+        if isinstance(value, Ref):
+            return tensor(value)
+        if isinstance(value, torch.device) and value.type == "meta":
+            return device
+        return value
+
+    with torch.no_grad():
+        for i, op in enumerate(rec.ops):
+            if not needed[i]:
+                continue
+            args = tree_map(arg, op.args)
+            kwargs = tree_map(arg, op.kwargs)
+            out = op.func(*args, **kwargs)
+            flat = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            for ref, value in zip(op.outputs, flat):
+                if ref.sid in op.creates:
+                    real[ref.sid] = value.untyped_storage()
+            del args, kwargs, out, flat
+            for sid in _sids(op):
+                if last.get(sid) == i:
+                    storage = real.pop(sid, None)
+                    if sid in targets and storage is not None:
+                        yield sid, storage
