@@ -8,6 +8,7 @@ run folder: ``config.json`` (the resolved config), ``metrics.jsonl`` (one line p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -88,7 +89,8 @@ def plot_losses(history: list[dict[str, Any]], path: Path) -> None:
 def run(cfg: Config, run_dir: Path) -> list[dict[str, Any]]:
     """Train under the current context and write the run folder (rank 0)."""
     ctx = tessera.get_context()
-    model = gpt(cfg.model.preset, **cfg.model.options)
+    with tessera.deferred_init() if cfg.model.deferred else contextlib.nullcontext():
+        model = gpt(cfg.model.preset, **cfg.model.options)
     seq_len = cfg.data.seq_len or model.config.max_seq_len
     train_set, eval_set = byte_datasets(seq_len, cfg.data.max_bytes, cfg.data.eval_fraction)
     micro = cfg.data.micro_batch_size
@@ -101,7 +103,7 @@ def run(cfg: Config, run_dir: Path) -> list[dict[str, Any]]:
     total = cfg.trainer.steps or cfg.trainer.epochs * per_epoch
     scheduler = lr_schedule(optimizer, total, cfg.schedule.warmup_steps, cfg.schedule.decay, cfg.schedule.min_lr_ratio)
     engine, train_loader, eval_loader, scheduler = tessera.initialize(
-        model, optimizer, NextTokenLoss(), train_dl, eval_dl, scheduler
+        model, optimizer, NextTokenLoss(), train_dl, eval_dl, scheduler, init=cfg.model.init
     )
     assert train_loader is not None
     if ctx.rank == 0:

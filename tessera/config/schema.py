@@ -226,6 +226,10 @@ class ModelConfig:
     name: Literal["gpt"] = _field("gpt", "Reference model family (tessera.models).")
     preset: str = _field("tiny", "Size preset: tiny, small, gpt2, gpt2-medium, gpt2-large, gpt2-xl.")
     options: dict[str, Any] = _field_factory(dict, "Overrides of the preset's fields, e.g. dict(dropout=0.1).")
+    deferred: bool = _field(
+        True, "Build the model under tessera.deferred_init(): each rank makes only what it keeps (same values)."
+    )
+    init: str = _field("random", "Initial weights: 'random' (seeded), or a checkpoint folder or .safetensors file.")
 
 
 @dataclass(frozen=True)

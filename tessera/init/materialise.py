@@ -171,7 +171,7 @@ def _put(want: Want, value: torch.Tensor, view: View) -> None:
 
 def _fill_from_replay(wants: list[Want], rec: Recording) -> None:
     state = torch.get_rng_state()
-    untouched = torch.equal(state, rec.rng_state)  # nothing drew between construction and now
+    untouched = torch.equal(state, rec.exit_state)  # nothing drew between construction and now
     pending: dict[int, list[Want]] = {}
     for want in wants:
         if want.targets:

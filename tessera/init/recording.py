@@ -86,6 +86,7 @@ class Recording:
     def __init__(self) -> None:
         self.ops: list[Op] = []
         self.rng_state = torch.get_rng_state()
+        self.exit_state = self.rng_state  # the default generator's state when the block ended
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
         self.problems: list[str] = []
         self.nbytes: dict[int, int] = {}  # sid -> bytes of its storage
@@ -178,6 +179,20 @@ def _opaque(rec: Recording, original: Any) -> Any:
     return init
 
 
+def _seeding(rec: Recording, original: Any) -> Any:
+    """``torch.manual_seed`` and ``torch.set_rng_state`` inside the block: done now (draws after
+    the block see them) and recorded, so that the replay's draws start where they did."""
+
+    def seed(*args: Any, **kwargs: Any) -> Any:
+        rec.ops.append(Op(original, args, kwargs, [], frozenset(), frozenset(), frozenset(), frozenset(), True))
+        return original(*args, **kwargs)
+
+    return seed
+
+
+_SEEDING = ((torch, "manual_seed"), (torch.random, "manual_seed"), (torch, "set_rng_state"), (torch.random, "set_rng_state"))
+
+
 _FAKE_SCALARS = {"_local_scalar_dense", "equal", "is_nonzero"}
 
 
@@ -266,12 +281,15 @@ def deferred_init() -> Iterator[Recording]:
     construction would have given under the same seed. Yields the :class:`Recording`."""
     rec = Recording()
     _recordings.append(rec)
-    originals = {name: getattr(torch.nn.init, name) for name in _OPAQUE_INIT}
+    patched = [(torch.nn.init, name, _opaque) for name in _OPAQUE_INIT]
+    patched += [(module, name, _seeding) for module, name in _SEEDING]
+    originals = [(module, name, getattr(module, name)) for module, name, _ in patched]
     try:
-        for name, original in originals.items():
-            setattr(torch.nn.init, name, _opaque(rec, original))
+        for (module, name, wrap), (_, _, original) in zip(patched, originals):
+            setattr(module, name, wrap(rec, original))
         with torch.device("meta"), _Recorder(rec):
             yield rec
     finally:
-        for name, original in originals.items():
-            setattr(torch.nn.init, name, original)
+        for module, name, original in originals:
+            setattr(module, name, original)
+        rec.exit_state = torch.get_rng_state()

@@ -21,31 +21,38 @@ from torch.utils._pytree import tree_flatten, tree_map
 from tessera.init.recording import Recording, Ref
 
 
-def needed_ops(rec: Recording, targets: set[int]) -> list[bool]:
-    """For each op of ``rec``, whether it must run: it draws random numbers, or it makes or
-    changes a storage whose value a target depends on (a backward liveness pass: an op that
-    wholly overwrites or creates a storage ends the need for what the storage held before)."""
+def needed_ops(rec: Recording, targets: set[int]) -> tuple[list[bool], list[frozenset[int]]]:
+    """For each op of ``rec``: whether it must run (it draws random numbers, or it makes or
+    changes a storage whose value a target depends on), and the storages it writes whose values
+    nobody needs afterwards (a draw into a weight that the model's init redraws later: freed
+    right after the op). A backward liveness pass: an op that wholly overwrites or creates a
+    storage ends the need for what the storage held before."""
     live = set(targets)
     needed = [False] * len(rec.ops)
+    dead: list[frozenset[int]] = [frozenset()] * len(rec.ops)
     for i in range(len(rec.ops) - 1, -1, -1):
         op = rec.ops[i]
         if op.rng or (op.creates | op.writes) & live:
             needed[i] = True
+            dead[i] = (op.creates | op.writes) - live
             live -= op.creates | op.overwrites
             live |= op.reads
-    return needed
+    return needed, dead
 
 
 def _sids(op: Any) -> set[int]:
     return set(op.creates | op.writes | op.reads | op.overwrites)
 
 
-def replay(rec: Recording, targets: set[int], device: torch.device | str = "cpu") -> Iterator[tuple[int, Any]]:
+def replay(
+    rec: Recording, targets: set[int], device: torch.device | str = "cpu", stats: dict[str, int] | None = None
+) -> Iterator[tuple[int, Any]]:
     """Yield ``(sid, storage)`` for each storage in ``targets`` once its value is final (valid
     until the next item is asked for). Draws from the default CPU generator starting at the
-    state the recording began with; the caller restores the generator afterwards as it sees fit."""
+    state the recording began with; the caller restores the generator afterwards as it sees fit.
+    ``stats`` (if given) receives ``peak_bytes``: the most bytes of storages held at once."""
     device = torch.device(device)
-    needed = needed_ops(rec, targets)
+    needed, dead = needed_ops(rec, targets)
     last: dict[int, int] = {}
     for i, op in enumerate(rec.ops):
         if needed[i]:
@@ -80,7 +87,12 @@ def replay(rec: Recording, targets: set[int], device: torch.device | str = "cpu"
             for ref, value in zip(op.outputs, flat):
                 if ref.sid in op.creates:
                     real[ref.sid] = value.untyped_storage()
+            if stats is not None:
+                held = sum(s.nbytes() for s in real.values())
+                stats["peak_bytes"] = max(stats.get("peak_bytes", 0), held)
             del args, kwargs, out, flat
+            for sid in dead[i]:
+                real.pop(sid, None)  # drawn only to advance the stream: made again if used later
             for sid in _sids(op):
                 if last.get(sid) == i:
                     storage = real.pop(sid, None)

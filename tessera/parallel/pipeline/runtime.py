@@ -89,7 +89,6 @@ class PipelineRuntime:
             raise ValueError(f"actions name chunks {missing} that this rank does not hold (holds {sorted(chunks)})")
         self.chunks, self.actions, self.num_chunks = chunks, actions, num_chunks
         self.loss_fn, self.group = loss_fn, group
-        self._device = next((p.device for c in chunks.values() for p in c.parameters()), torch.device("cpu"))
         self.num_microbatches = 1 + max((a.microbatch for a in actions), default=-1)
         self._params = {c: [p for p in m.parameters() if p.requires_grad] for c, m in chunks.items()}
         self._holds_loss = num_chunks - 1 in chunks
@@ -134,6 +133,12 @@ class PipelineRuntime:
             )
 
     # ---- one step --------------------------------------------------------------------------
+
+    @property
+    def _device(self) -> torch.device:
+        """Where this rank's chunks live (read when needed: a deferred model's parameters get
+        their device after the stage is built)."""
+        return next((p.device for c in self.chunks.values() for p in c.parameters()), torch.device("cpu"))
 
     def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor], *, measure: bool = False) -> float:
         """Run one step of ``m`` micro-batches: ``inputs[i]`` feeds chunk 0, ``targets[i]`` the loss

@@ -124,6 +124,9 @@ class PipelineStage:
     def _sum_shared_gradients(self) -> None:
         group = self.ctx.group("pipeline")
         for param in self.shared:  # the same order on every rank: model order
+            if param.is_meta:  # a deferred model's parameter this stage does not hold: join with zeros
+                comm.all_reduce(torch.zeros(param.shape, dtype=param.dtype, device=self.ctx.device), group)
+                continue
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             comm.all_reduce(param.grad, group)

@@ -14,6 +14,7 @@ from tessera import comm
 from tessera.context.placement import placement_of, storages_of
 from tessera.context.views import HeldTensor
 from tessera.errors import TesseraError
+from tessera.init.allocate import allocate, set_data
 from tessera.parallel.pipeline.stage import PipelineStage
 from tessera.parallel.strategy import Strategy
 
@@ -54,6 +55,8 @@ class PipelineParallel(Strategy):
         with torch.no_grad():
             for p in self.module.parameters():  # a tied parameter is listed once
                 stage = placement_of(p).stage
+                if p.is_meta:  # another stage's parameter of a deferred model: made here to evaluate
+                    set_data(p, allocate(p, self.ctx.device))
                 if stage is not None:
                     comm.broadcast(p.data, self.ctx.group("pipeline"), src=stage)
             for storage in storages_of(self.module.parameters()):
