@@ -85,6 +85,7 @@ class Engine:
         self.last_step_skipped = False
         #: the learning-rate scheduler given to ``initialize`` (checkpoints save and load it)
         self.lr_scheduler: Any = None
+        self.init_peak_rss: int | None = None  # peak RSS of the init phase (set by initialize)
         #: the run's config, when ``tessera.initialize`` built the engine (checkpoints record it)
         self.run_config: Any = None
 

@@ -80,7 +80,8 @@ class ThroughputHook(Hook):
 
 
 class MemoryHook(Hook):
-    """Adds this rank's bytes of parameters, gradients and optimizer states, and its peak RSS."""
+    """Adds this rank's bytes of parameters, gradients and optimizer states, its peak RSS, and
+    the peak RSS of the init phase (process start to the end of ``initialize``)."""
 
     priority = 30
 
@@ -96,6 +97,7 @@ class MemoryHook(Hook):
             grad_bytes=report["gradients"],
             optimizer_bytes=report["optimizer_states"],
             peak_rss_bytes=peak_rss_bytes(),
+            init_peak_rss_bytes=getattr(trainer.engine, "init_peak_rss", None),
         )
 
 

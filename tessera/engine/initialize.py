@@ -21,9 +21,10 @@ from tessera.context.placement import placement_of
 from tessera.engine.engine import Engine
 from tessera.engine.options import TrainingOptions
 from tessera.errors import ConfigError, NotAvailableError
-from tessera.init.allocate import to_device
 from tessera.init.materialise import Source, capture, check_recording, loadable, materialise
 from tessera.init.recording import recording_of
+from tessera.memory.deferred import to_device
+from tessera.memory.report import peak_rss_bytes
 from tessera.parallel.data import AverageAtStep, DataParallel, distributed_loader
 from tessera.parallel.pipeline.partition import blocks_of
 from tessera.parallel.pipeline.stage import PipelineStage
@@ -76,6 +77,7 @@ def initialize(
         materialise(strategy, wants, rec, init, ctx.device)
     engine = Engine(strategy, criterion, ctx=ctx, options=options)
     engine.lr_scheduler = lr_scheduler
+    engine.init_peak_rss = peak_rss_bytes()  # the init phase's peak: process start to here
     data_group = ctx.group("data")
     if train_dataloader is not None:
         train_dataloader = distributed_loader(train_dataloader, data_group, options.seed)

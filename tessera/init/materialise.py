@@ -31,9 +31,9 @@ from torch import nn
 from tessera.checkpoint.format import index_entry
 from tessera.checkpoint.placing import fill
 from tessera.context.views import View, whole_view
-from tessera.init.allocate import allocate_module
 from tessera.init.recording import DeferredInitError, Recording, Ref, forget
 from tessera.init.replay import replay
+from tessera.memory.deferred import allocate_module
 from tessera.parallel.strategy import view_of
 
 InitFn = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]

@@ -15,6 +15,8 @@ def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     seen: set[tuple[int, int]] = set()
     total = 0
     for t in tensors:
+        if t.is_meta:  # a deferred model's tensor this rank does not hold
+            continue
         key = (t.data_ptr(), t.numel() * t.element_size())
         if key in seen:
             continue

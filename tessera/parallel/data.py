@@ -16,7 +16,7 @@ from tessera import comm
 from tessera.comm import AxisGroup
 from tessera.context import ParallelContext
 from tessera.errors import ConfigError
-from tessera.init.allocate import allocate_module
+from tessera.memory.deferred import allocate_module
 from tessera.parallel.strategy import Strategy
 
 

@@ -39,8 +39,8 @@ from tessera import comm
 from tessera.comm import Pending
 from tessera.context import ParallelContext
 from tessera.context.placement import Placement, ZeroSlot, placement_of, set_placement, update_placement
-from tessera.init.allocate import set_data
 from tessera.memory.chunks import Chunk, ChunkStore, Slot, WholeStateDict
+from tessera.memory.deferred import set_data
 from tessera.memory.host import copy_to_device_, host_copy, wait_for_device
 from tessera.optim.host_adam import HostAdamW
 from tessera.optim.norms import global_grad_norm

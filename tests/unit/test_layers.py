@@ -22,6 +22,7 @@ RANKS: dict[str, float] = {
     "zero": 3.2,  # a strategy built on memory's chunk store and optim's norms
     "nn": 3.2,  # the user-facing layer factories over parallel/tensor
     "checkpoint": 4.0,
+    "init": 4.05,  # deferred initialisation: fills what a strategy holds through checkpoint's placing
     "engine": 4.1,
     "models": 5.0,
     "data": 5.0,

@@ -14,7 +14,7 @@ from tessera import comm
 from tessera.context.placement import placement_of, storages_of
 from tessera.context.views import HeldTensor
 from tessera.errors import TesseraError
-from tessera.init.allocate import allocate, set_data
+from tessera.memory.deferred import allocate, set_data
 from tessera.parallel.pipeline.stage import PipelineStage
 from tessera.parallel.strategy import Strategy
 

@@ -30,7 +30,8 @@ from tessera.context.placement import divide as divide  # re-exported for the mo
 
 
 def local_shard(full: torch.Tensor, spec: ShardSpec, ctx: ParallelContext) -> torch.Tensor:
-    """This rank's block of ``full`` (zero-padded where a dimension does not divide)."""
+    """This rank's block of ``full`` (zero-padded where a dimension does not divide). Only the
+    block is copied: the padded full tensor is never made."""
     if tuple(full.shape) != spec.full_shape:
         raise ValueError(f"tensor of shape {tuple(full.shape)} does not match its spec {spec.full_shape}")
     out = full
@@ -39,14 +40,15 @@ def local_shard(full: torch.Tensor, spec: ShardSpec, ctx: ParallelContext) -> to
             continue
         parts, index, groups = spec.parts(dim, ctx), spec.index(dim, ctx), spec.groups[dim]
         per_group = out.shape[dim] // groups
-        padded = round_up(per_group, spec.multiple(dim, ctx))
-        grouped = out.unflatten(dim, (groups, per_group))
-        if padded != per_group:
-            pad_shape = list(grouped.shape)
-            pad_shape[dim + 1] = padded - per_group
-            grouped = torch.cat([grouped, grouped.new_zeros(pad_shape)], dim=dim + 1)
-        block = padded // parts
-        out = grouped.narrow(dim + 1, index * block, block).flatten(dim, dim + 1)
+        block = round_up(per_group, spec.multiple(dim, ctx)) // parts
+        start = min(index * block, per_group)
+        valid = max(0, min(block, per_group - start))
+        piece = out.unflatten(dim, (groups, per_group)).narrow(dim + 1, start, valid)
+        if valid < block:
+            pad_shape = list(piece.shape)
+            pad_shape[dim + 1] = block - valid
+            piece = torch.cat([piece, piece.new_zeros(pad_shape)], dim=dim + 1)
+        out = piece.flatten(dim, dim + 1)
     return out.contiguous()
 
 

@@ -1,4 +1,5 @@
-"""Real memory for the meta tensors of a deferred model that a rank keeps (values come later)."""
+"""Real memory for the meta-device tensors of a deferred model that a rank keeps (the values
+come later, from tessera.init)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,13 @@ def set_data(param: nn.Parameter, value: torch.Tensor) -> None:
     if not param.is_meta or value.is_meta:
         param.data = value
         return
-    real = nn.Parameter(value, requires_grad=param.requires_grad)
+    # swap in an empty real parameter, then set its data as for any parameter: the parameter
+    # keeps a version counter of its own (not the one of ``value``'s base, a ZeRO chunk say,
+    # whose in-place gathers would otherwise look like changes to the parameter to autograd)
+    real = nn.Parameter(torch.empty(0, dtype=value.dtype, device=value.device), requires_grad=param.requires_grad)
     real.__dict__.update(param.__dict__)
     torch.utils.swap_tensors(param, real)
+    param.data = value
 
 
 def allocate_module(module: nn.Module, device: torch.device, keeps: Callable[[torch.Tensor], bool]) -> None:
