@@ -70,6 +70,7 @@ BENCH_TARGETS: dict[str, str] = {  # name -> "module:function"; each strategy ad
     "pp": "tessera.bench.pp:main",
     "zero": "tessera.bench.zero:main",
     "ckpt": "tessera.bench.ckpt:main",
+    "init": "tessera.bench.init:main",
 }
 
 # name -> what it measures, how long it takes on 2 CPU cores, what it needs
@@ -82,6 +83,8 @@ BENCH_HELP: dict[str, str] = {
     "need the bench extra: pip install -e '.[bench]'",
     "ckpt": "sharded checkpoint save/load vs torch.distributed.checkpoint, and the async save's stall, "
     "4 ranks, DDP and ZeRO-3 (about 1 min)",
+    "init": "start-up peak memory and time of GPT-2 medium (355M) under deferred init vs a whole build, "
+    "FSDP2 meta-device init and DeepSpeed zero.Init, 4 ranks, ZeRO-3 dp4, 1d tp4, pp4 (about 5 min)",
 }
 
 

@@ -20,6 +20,7 @@ rank; they are not in checkpoints when not persistent, so they always come from 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -216,19 +217,57 @@ def _fill_from_file(path: Path, wants: list[Want]) -> None:
         return
     if not path.is_file():
         raise DeferredInitError(f"init={str(path)!r}: no such checkpoint folder or safetensors file")
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as handle:
-        keys = set(handle.keys())
-        missing = [w.key for w in wants if w.targets and w.key not in keys]
+    with open(path, "rb") as handle:
+        header = _safetensors_header(handle, path)
+        missing = [w.key for w in wants if w.targets and w.key not in header]
         if missing:
             raise DeferredInitError(f"{path} has no values for {', '.join(missing[:8])}")
         for want in wants:
             if want.targets:
-                value = handle.get_tensor(want.key)
+                value = _read_tensor(handle, header, want.key, path)
                 if tuple(value.shape) != want.view.full_shape:
                     raise DeferredInitError(
                         f"{path}: {want.key} has shape {tuple(value.shape)}, the model {want.view.full_shape}"
                     )
                 _put(want, value, whole_view(want.view.full_shape))
+                del value  # one full tensor at a time
 
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+
+
+def _safetensors_header(handle: Any, path: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file: key -> dtype, shape, data offsets (the data starts
+    right after it). Read with plain file reads, not a memory map: pages of a mapped file count
+    in the resident size for as long as the file is mapped, so a mapped read of every tensor
+    would make the whole file resident."""
+    raw = handle.read(8)
+    if len(raw) != 8:
+        raise DeferredInitError(f"{path} is not a safetensors file (too short)")
+    size = int.from_bytes(raw, "little")
+    try:
+        header = json.loads(handle.read(size))
+    except ValueError as exc:
+        raise DeferredInitError(f"{path} is not a safetensors file: its header does not parse ({exc})") from exc
+    header.pop("__metadata__", None)
+    for entry in header.values():
+        entry["start"] = 8 + size + entry["data_offsets"][0]
+    return dict(header)
+
+
+def _read_tensor(handle: Any, header: dict[str, Any], key: str, path: Path) -> torch.Tensor:
+    entry = header[key]
+    dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+    if dtype is None:
+        raise DeferredInitError(f"{path}: {key} has dtype {entry['dtype']}, which tessera does not read")
+    start, end = entry["data_offsets"]
+    out = torch.empty(entry["shape"], dtype=dtype)
+    buffer = out.view(-1).view(torch.uint8).numpy() if out.numel() else bytearray()
+    handle.seek(entry["start"])
+    if end - start != len(buffer) or handle.readinto(buffer) != end - start:
+        raise DeferredInitError(f"{path}: {key} is truncated or its offsets are wrong")
+    return out

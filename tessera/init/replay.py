@@ -12,6 +12,7 @@ model's own init), the GPT's and ViT's included.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 from typing import Any
 
@@ -76,25 +77,72 @@ def replay(
             return device
         return value
 
+    freed = 0  # bytes of storage dropped since the heap was last trimmed
     with torch.no_grad():
         for i, op in enumerate(rec.ops):
             if not needed[i]:
                 continue
-            args = tree_map(arg, op.args)
-            kwargs = tree_map(arg, op.kwargs)
-            out = op.func(*args, **kwargs)
-            flat = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-            for ref, value in zip(op.outputs, flat):
-                if ref.sid in op.creates:
-                    real[ref.sid] = value.untyped_storage()
+            if freed >= _TRIM_AT:
+                _trim_heap()
+                freed = 0
+            if _moves(rec, op, last, targets, i):  # the source dies here: hand its storage over
+                dst, src = op.args[0], op.args[1]
+                real[dst.sid] = tensor(src).untyped_storage()
+                real.pop(src.sid, None)
+            else:
+                real.update(_created(op, op.func(*tree_map(arg, op.args), **tree_map(arg, op.kwargs))))
             if stats is not None:
                 held = sum(s.nbytes() for s in real.values())
                 stats["peak_bytes"] = max(stats.get("peak_bytes", 0), held)
-            del args, kwargs, out, flat
             for sid in dead[i]:
-                real.pop(sid, None)  # drawn only to advance the stream: made again if used later
+                freed += rec.nbytes[sid] if real.pop(sid, None) is not None else 0  # drawn only to advance the stream
             for sid in _sids(op):
                 if last.get(sid) == i:
                     storage = real.pop(sid, None)
+                    if storage is not None:
+                        freed += storage.nbytes()
                     if sid in targets and storage is not None:
                         yield sid, storage
+                    del storage
+
+
+_TRIM_AT = 1 << 20
+
+
+def _trim_heap() -> None:
+    """Hand freed heap memory back to the system (glibc's ``malloc_trim``; nothing elsewhere).
+    glibc keeps freed blocks of a few MB in its heap and does not always reuse them for the
+    next block of the same size (alignment), so without this each full tensor drawn and freed
+    would stay resident and the replay's footprint would grow to several full tensors."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None
+
+
+def _created(op: Any, out: Any) -> dict[int, Any]:
+    """The storages ``op`` made (by storage id), from its output ``out`` (nothing else of the
+    output is kept: a draw into scratch memory must be freed as soon as it is dropped)."""
+    flat = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    return {ref.sid: value.untyped_storage() for ref, value in zip(op.outputs, flat) if ref.sid in op.creates}
+
+
+def _moves(rec: Recording, op: Any, last: dict[int, int], targets: set[int], i: int) -> bool:
+    """Whether ``op`` is a ``copy_`` that wholly overwrites its destination from a source of the
+    very same layout whose value is not needed afterwards (a model's init drawing a full tensor
+    and copying it into a parameter): the source's storage can become the destination's, which
+    keeps one full tensor in memory instead of two."""
+    if getattr(op.func, "__name__", "").split(".")[0] != "copy_" or len(op.args) < 2:
+        return False
+    dst, src = op.args[0], op.args[1]
+    if not (isinstance(dst, Ref) and isinstance(src, Ref)) or dst.sid not in op.overwrites or dst.sid == src.sid:
+        return False
+    same = (src.dtype, src.size, src.stride, src.offset) == (dst.dtype, dst.size, dst.stride, dst.offset)
+    return same and src.sid not in targets and last.get(src.sid) == i and rec.nbytes[src.sid] == rec.nbytes[dst.sid]
