@@ -177,16 +177,38 @@ def _fill_from_replay(wants: list[Want], rec: Recording) -> None:
     for want in wants:
         if want.targets:
             pending.setdefault(want.ref.sid, []).append(want)
-    for sid, storage in replay(rec, set(pending)):
-        for want in pending.pop(sid):
+    pieces = _pieces(pending)
+    into = {sid: pending[sid][0].targets[0][0] for sid in pieces}
+    for made in replay(rec, set(pending), windows=pieces, into=into):
+        for want in pending.pop(made.sid):
+            if made.window is not None:  # only this rank's piece was made (in place, when it could)
+                for tensor, _ in want.targets:
+                    if made.window.data_ptr() != tensor.data_ptr():
+                        tensor.copy_(made.window.view(tensor.shape))
+                continue
             ref = want.ref
-            value = torch.empty(0, dtype=ref.dtype).set_(storage, ref.offset, ref.size, ref.stride)
+            value = torch.empty(0, dtype=ref.dtype).set_(made.storage, ref.offset, ref.size, ref.stride)
             _put(want, value, want.view)
     if not untouched:
         torch.set_rng_state(state)  # draws made since construction keep their place
     if pending:
         keys = [w.key for ws in pending.values() for w in ws]
         raise DeferredInitError(f"the recorded construction never made {', '.join(keys[:5])}")
+
+
+def _pieces(pending: dict[int, list[Want]]) -> dict[int, tuple[int, int]]:
+    """Storages of which this rank keeps one flat range (a ZeRO piece): storage id -> range."""
+    out = {}
+    for sid, wants in pending.items():
+        if len(wants) != 1:
+            continue
+        want = wants[0]
+        flats = {view.flat for _, view in want.targets}
+        if len(flats) == 1 and None not in flats and all(view.block == want.view for _, view in want.targets):
+            (span,) = flats
+            assert span is not None
+            out[sid] = span
+    return out
 
 
 def _fill_from_fn(wants: list[Want], init_fn: InitFn) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -45,13 +45,36 @@ def _sids(op: Any) -> set[int]:
     return set(op.creates | op.writes | op.reads | op.overwrites)
 
 
+class Made(NamedTuple):
+    """A target's final value: its whole ``storage``, or (windowed) only the elements
+    ``[start, start + window.numel())`` of it as the 1-D tensor ``window``."""
+
+    sid: int
+    storage: Any
+    window: torch.Tensor | None = None
+    start: int = 0
+
+
 def replay(
-    rec: Recording, targets: set[int], device: torch.device | str = "cpu", stats: dict[str, int] | None = None
-) -> Iterator[tuple[int, Any]]:
-    """Yield ``(sid, storage)`` for each storage in ``targets`` once its value is final (valid
-    until the next item is asked for). Draws from the default CPU generator starting at the
-    state the recording began with; the caller restores the generator afterwards as it sees fit.
-    ``stats`` (if given) receives ``peak_bytes``: the most bytes of storages held at once."""
+    rec: Recording,
+    targets: set[int],
+    device: torch.device | str = "cpu",
+    stats: dict[str, int] | None = None,
+    windows: dict[int, tuple[int, int]] | None = None,
+    into: dict[int, torch.Tensor] | None = None,
+) -> Iterator[Made]:
+    """Yield each storage of ``targets`` (a :class:`Made`) once its value is final (valid until
+    the next item is asked for). Draws from the default CPU generator starting at the state the
+    recording began with; the caller restores the generator afterwards as it sees fit.
+
+    ``windows``: for a target whose rank keeps only a range of its elements (a ZeRO piece),
+    ``sid -> (start, end)``; where the target's value comes from whole-tensor draws and
+    element-wise changes (a GPT weight: drawn, scaled, copied in), only that range is made,
+    the draws running in chunks of :data:`CHUNK` elements over the whole stream (see
+    :func:`chunks`); otherwise the whole storage is made. ``into``: where a windowed target's
+    range goes (a CPU tensor of that many elements and the target's dtype, a ZeRO piece say):
+    made there directly, with no window of its own. ``stats`` (if given) receives
+    ``peak_bytes``: the most bytes of storages held at once."""
     device = torch.device(device)
     needed, dead = needed_ops(rec, targets)
     last: dict[int, int] = {}
@@ -77,6 +100,17 @@ def replay(
             return device
         return value
 
+    sliced, root = _windows(rec, needed, last, targets, windows or {})
+    win: dict[int, torch.Tensor] = {}
+
+    def window_of(sid: int, dtype: torch.dtype) -> torch.Tensor:
+        """The memory of ``sid``'s range: the caller's tensor when it fits, else a new one."""
+        start, end = sliced[sid]
+        dest = (into or {}).get(root[sid])
+        if dest is not None and dest.dtype == dtype and dest.device.type == "cpu" and dest.numel() == end - start:
+            return dest.view(-1)
+        return torch.empty(end - start, dtype=dtype, device=device)
+
     freed = 0  # bytes of storage dropped since the heap was last trimmed
     with torch.no_grad():
         for i, op in enumerate(rec.ops):
@@ -85,25 +119,190 @@ def replay(
             if freed >= _TRIM_AT:
                 _trim_heap()
                 freed = 0
-            if _moves(rec, op, last, targets, i):  # the source dies here: hand its storage over
+            touched = _sids(op)
+            if op.rng and _draw_into_dead(rec, op, dead[i]):
+                _draw_and_drop(rec, op, arg)  # only the stream advances; no full tensor is made
+            elif touched & sliced.keys():
+                _run_windowed(rec, op, sliced, win, arg, window_of)
+            elif _moves(rec, op, last, targets, i):  # the source dies here: hand its storage over
                 dst, src = op.args[0], op.args[1]
                 real[dst.sid] = tensor(src).untyped_storage()
                 real.pop(src.sid, None)
             else:
                 real.update(_created(op, op.func(*tree_map(arg, op.args), **tree_map(arg, op.kwargs))))
             if stats is not None:
-                held = sum(s.nbytes() for s in real.values())
+                held = sum(x.nbytes() for x in real.values()) + sum(w.numel() * w.element_size() for w in win.values())
                 stats["peak_bytes"] = max(stats.get("peak_bytes", 0), held)
-            for sid in dead[i]:
-                freed += rec.nbytes[sid] if real.pop(sid, None) is not None else 0  # drawn only to advance the stream
+            for sid in dead[i]:  # drawn only to advance the stream
+                win.pop(sid, None)
+                freed += rec.nbytes[sid] if real.pop(sid, None) is not None else 0
+            for sid in touched:
+                if last.get(sid) != i:
+                    continue
+                if sid in sliced:
+                    window = win.pop(sid, None)
+                    if sid in targets and window is not None:
+                        yield Made(sid, None, window, sliced[sid][0])
+                    del window
+                    continue
+                storage = real.pop(sid, None)
+                if storage is not None:
+                    freed += storage.nbytes()
+                if sid in targets and storage is not None:
+                    yield Made(sid, storage)
+                del storage
+
+
+# ---- making only a range of a tensor ---------------------------------------------------------
+
+#: elements drawn per call when a draw runs in pieces (a multiple of 16: see :func:`chunks`)
+CHUNK = 1 << 16
+
+_DRAWS_IN_PLACE = {"normal_", "uniform_"}
+_DRAWS_MADE = {"randn", "rand"}
+_MADE = {"zeros", "ones", "full", "empty"}
+_ELEMENTWISE = {
+    "mul_", "add_", "sub_", "div_", "clamp_", "clamp_min_", "clamp_max_", "erfinv_", "fill_", "zero_",
+    "neg_", "abs_", "sqrt_", "exp_", "log_", "pow_",
+}  # fmt: skip
+
+
+def chunks(n: int, size: int = CHUNK) -> list[tuple[int, int]]:
+    """``[start, end)`` pieces of ``n`` elements: ``size`` each, the last one taking the
+    remainder too. Drawing a tensor piece by piece this way gives bitwise the values (and leaves
+    the generator where) one draw of the whole gives: the CPU generator fills normal values in
+    groups of 16 and redraws a ragged tail only at the very end, and uniform values one by one
+    (checked by a test for float32, float64 and bfloat16)."""
+    starts = list(range(0, n, size)) or [0]
+    if len(starts) > 1 and n - starts[-1] < size:
+        starts.pop()
+    return [(a, starts[j + 1] if j + 1 < len(starts) else n) for j, a in enumerate(starts)]
+
+
+def _name(op: Any) -> str:
+    return str(getattr(op.func, "__name__", "")).split(".")[0]
+
+
+def _whole(rec: Recording, ref: Any) -> bool:
+    """Whether ``ref`` is its whole storage, contiguous."""
+    if not isinstance(ref, Ref) or ref.offset != 0 or ref.numel * ref.dtype.itemsize != rec.nbytes[ref.sid]:
+        return False
+    expected, stride = [], 1
+    for size in reversed(ref.size):
+        expected.append(stride)
+        stride *= size
+    return all(s == e or n == 1 for s, e, n in zip(ref.stride, reversed(expected), ref.size))
+
+
+def _tensor_args(op: Any) -> list[Any]:
+    return [a for a in tree_flatten((op.args, op.kwargs))[0] if isinstance(a, Ref | torch.Tensor)]
+
+
+def _kind(rec: Recording, op: Any, sid: int) -> str | None:
+    """How ``op`` touches storage ``sid`` when it can be made in part: ``"made"`` (a whole new
+    tensor of fixed values), ``"draw-made"`` (a new tensor of random values), ``"draw"`` (random
+    values over the whole of it), ``"elementwise"`` (an element-wise change with constants);
+    None for anything else."""
+    name = _name(op)
+    if sid in op.creates:
+        if len(op.outputs) != 1 or not _whole(rec, op.outputs[0]) or _tensor_args(op):
+            return None
+        return "made" if name in _MADE else "draw-made" if name in _DRAWS_MADE else None
+    first = op.args[0] if op.args else None
+    if not (isinstance(first, Ref) and first.sid == sid and _whole(rec, first)) or len(_tensor_args(op)) != 1:
+        return None
+    return "draw" if name in _DRAWS_IN_PLACE else "elementwise" if name in _ELEMENTWISE else None
+
+
+def _windows(
+    rec: Recording, needed: list[bool], last: dict[int, int], targets: set[int], asked: dict[int, tuple[int, int]]
+) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
+    """The storages to make only in part: each asked target whose value depends on nothing but
+    the ops :func:`_kind` accepts and moves from storages that do too (those with it); and for
+    each, the target it ends in (at most one storage of a chain holds a value at a time: a
+    move overwrites its destination whole)."""
+    touching: dict[int, list[int]] = {}
+    for i, op in enumerate(rec.ops):
+        if needed[i]:
             for sid in _sids(op):
-                if last.get(sid) == i:
-                    storage = real.pop(sid, None)
-                    if storage is not None:
-                        freed += storage.nbytes()
-                    if sid in targets and storage is not None:
-                        yield sid, storage
-                    del storage
+                touching.setdefault(sid, []).append(i)
+    out: dict[int, tuple[int, int]] = {}
+    roots: dict[int, int] = {}
+    for target, span in asked.items():
+        chain: dict[int, tuple[int, int]] = {}
+        todo, ok = [target], True
+        while todo and ok:
+            sid = todo.pop()
+            chain[sid] = span
+            for i in touching.get(sid, []):
+                op = rec.ops[i]
+                if _moves(rec, op, last, targets, i):
+                    src = op.args[1].sid
+                    if op.args[0].sid == sid and src not in chain and src not in out:
+                        todo.append(src)
+                        continue
+                    ok = ok and src in chain  # the move out of a storage already in the chain
+                elif _kind(rec, op, sid) is None:
+                    ok = False
+        if ok:
+            out.update(chain)
+            roots.update({sid: target for sid in chain})
+    return out, roots
+
+
+def _run_windowed(
+    rec: Recording, op: Any, sliced: dict[int, tuple[int, int]], win: dict[int, torch.Tensor], arg: Any, window_of: Any
+) -> None:
+    if _name(op) == "copy_" and len(op.args) >= 2 and isinstance(op.args[1], Ref) and op.args[1].sid in sliced:
+        win[op.args[0].sid] = win.pop(op.args[1].sid)  # a move within the chain
+        return
+    sid = next(s for s in _sids(op) if s in sliced)
+    start, end = sliced[sid]
+    kind = _kind(rec, op, sid)
+    rest = tree_map(arg, op.args[1:])
+    kwargs = tree_map(arg, op.kwargs)
+    if kind == "made":
+        win[sid] = window_of(sid, op.outputs[0].dtype)
+        win[sid].copy_(op.func([end - start], *rest, **kwargs))
+        return
+    if kind == "elementwise":
+        op.func(win[sid], *rest, **kwargs)
+        return
+    ref = op.outputs[0] if kind == "draw-made" else op.args[0]
+    if sid not in win:
+        win[sid] = window_of(sid, ref.dtype)
+    for a, b in chunks(ref.numel):
+        if kind == "draw-made":
+            piece = op.func([b - a], *rest, **kwargs)
+        else:
+            piece = torch.empty(b - a, dtype=ref.dtype, device=win[sid].device)
+            op.func(piece, *rest, **kwargs)
+        lo, hi = max(a, start), min(b, end)
+        if lo < hi:
+            win[sid][lo - start : hi - start].copy_(piece[lo - a : hi - a])
+
+
+def _draw_into_dead(rec: Recording, op: Any, dead: frozenset[int]) -> bool:
+    """Whether ``op`` draws random values over a whole storage that nobody reads afterwards."""
+    written = op.creates | op.writes
+    return len(written) == 1 and written <= dead and _kind(rec, op, next(iter(written))) in ("draw", "draw-made")
+
+
+def _draw_and_drop(rec: Recording, op: Any, arg: Any) -> None:
+    """Advance the stream as ``op`` would, in chunks, keeping none of the values."""
+    sid = next(iter(op.creates | op.writes))
+    made = sid in op.creates
+    ref = op.outputs[0] if made else op.args[0]
+    rest = tree_map(arg, op.args[1:])
+    kwargs = tree_map(arg, op.kwargs)
+    scratch = None
+    for a, b in chunks(ref.numel):
+        if made:
+            op.func([b - a], *rest, **kwargs)
+        else:
+            if scratch is None or scratch.numel() < b - a:
+                scratch = torch.empty(b - a, dtype=ref.dtype)
+            op.func(scratch[: b - a], *rest, **kwargs)
 
 
 _TRIM_AT = 1 << 20

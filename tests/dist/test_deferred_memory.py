@@ -68,6 +68,8 @@ def test_startup_peak_stays_within_share_plus_largest_parameter(pools, layout):
     total, _ = parameter_sizes(PRESET, OVERRIDES)
     for base, peak in pools.run(4, startup_body, layout, False, timeout=600):
         assert peak <= _bound(base), f"{layout}: peak {peak / 2**20:.0f} MiB over {_bound(base) / 2**20:.0f} MiB"
+    if layout == "tp4":
+        return  # tensor-parallel layers build and shard one layer at a time even without deferred_init
     whole = pools.run(4, startup_body, layout, True, timeout=600)
     assert max(peak - _bound(base) for base, peak in whole) > total / 8, "a whole build exceeds the bound by far"
 

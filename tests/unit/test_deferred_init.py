@@ -167,3 +167,37 @@ def test_a_file_missing_a_tensor_names_it(tmp_path):
         model = nn.Linear(3, 2)
     with pytest.raises(DeferredInitError, match="no values for bias"):
         _initialize(model, init=tmp_path / "part.safetensors")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 1000, 4096 + 3, 3 * 4096])
+def test_drawing_in_chunks_gives_the_values_of_one_draw(dtype, n):
+    """What the replay relies on to make only a rank's range of a drawn tensor."""
+    from tessera.init.replay import chunks
+
+    for draw in (lambda t: t.normal_(0.1, 0.02), lambda t: t.uniform_(-0.3, 0.3)):
+        torch.manual_seed(3)
+        whole = draw(torch.empty(n, dtype=dtype))
+        after_whole = torch.rand(2)
+        torch.manual_seed(3)
+        pieces = torch.empty(n, dtype=dtype)
+        for a, b in chunks(n, size=4096):
+            draw(pieces[a:b])
+        assert torch.equal(pieces, whole) and torch.equal(torch.rand(2), after_whole)
+
+
+def test_a_rank_range_of_a_drawn_tensor_is_made_alone():
+    """A window of a GPT weight: bitwise the whole replay's values over that range, without the
+    whole tensor ever being made."""
+    torch.manual_seed(0)
+    with deferred_init() as rec:
+        model = gpt("tiny", vocab_size=512, d_model=64, n_layers=2, n_heads=4)
+    weight = model.blocks[0].mlp.fc.weight
+    sid = rec.sid_of(weight)
+    whole = next(m for m in replay(rec, {sid}) if m.sid == sid)
+    expected = torch.empty(0).set_(whole.storage, 0, weight.shape, weight.stride()).reshape(-1)[1000:5000].clone()
+    stats: dict[str, int] = {}
+    made = next(m for m in replay(rec, {sid}, windows={sid: (1000, 5000)}, stats=stats) if m.sid == sid)
+    assert made.window is not None and made.start == 1000
+    assert torch.equal(made.window, expected)
+    assert stats["peak_bytes"] < weight.numel() * 4

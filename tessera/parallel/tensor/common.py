@@ -49,6 +49,8 @@ def local_shard(full: torch.Tensor, spec: ShardSpec, ctx: ParallelContext) -> to
             pad_shape[dim + 1] = block - valid
             piece = torch.cat([piece, piece.new_zeros(pad_shape)], dim=dim + 1)
         out = piece.flatten(dim, dim + 1)
+    if out.untyped_storage()._cdata == full.untyped_storage()._cdata:  # a view (rows of the first dim):
+        return out.clone(memory_format=torch.contiguous_format)  # a parameter must not keep the full tensor alive
     return out.contiguous()
 
 
