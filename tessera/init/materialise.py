@@ -21,7 +21,7 @@ rank; they are not in checkpoints when not persistent, so they always come from 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,28 +63,33 @@ class Want:
         return getattr(self.owner, self.attr)  # type: ignore[no-any-return]
 
 
-def capture(module: nn.Module, rec: Recording) -> list[Want]:
-    """Every deferred tensor of ``module`` (tied parameters once, under their first key), taken
-    before a strategy replaces any of them."""
-    wants: list[Want] = []
+def _module_tensors(module: nn.Module) -> Iterator[tuple[str, nn.Module, str, str, torch.Tensor]]:
+    """``(key, owner, attribute, kind, tensor)`` for every parameter, buffer and plain tensor
+    attribute of ``module``'s modules, each tensor once (a tied one under its first key)."""
     seen: set[int] = set()
     for prefix, owner in module.named_modules(remove_duplicate=False):
         dot = f"{prefix}." if prefix else ""
-        for kind, tensors in (("parameter", owner._parameters), ("buffer", owner._buffers)):
-            for attr, t in tensors.items():
-                if t is None or id(t) in seen:
-                    continue
+        tensors = [("parameter", a, t) for a, t in owner._parameters.items()]
+        tensors += [("buffer", a, t) for a, t in owner._buffers.items()]
+        tensors += [("attribute", a, t) for a, t in vars(owner).items() if type(t) is torch.Tensor]
+        for kind, attr, t in tensors:
+            if t is not None and id(t) not in seen:
                 seen.add(id(t))
-                ref = rec.ref_of(t)
-                if ref is not None:
-                    view = view_of(t) if kind == "parameter" else whole_view(t.shape)
-                    wants.append(Want(dot + attr, owner, attr, kind, ref, view))
-        for attr, t in vars(owner).items():
-            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and id(t) not in seen:
-                seen.add(id(t))
-                ref = rec.ref_of(t)
-                if ref is not None:
-                    wants.append(Want(dot + attr, owner, attr, "attribute", ref, whole_view(t.shape)))
+                yield dot + attr, owner, attr, kind, t
+
+
+def _view(kind: str, t: torch.Tensor) -> View:
+    return view_of(t) if kind == "parameter" else whole_view(t.shape)
+
+
+def capture(module: nn.Module, rec: Recording) -> list[Want]:
+    """Every deferred tensor of ``module`` (tied parameters once, under their first key), taken
+    before a strategy replaces any of them."""
+    wants = []
+    for key, owner, attr, kind, t in _module_tensors(module):
+        ref = rec.ref_of(t)
+        if ref is not None:
+            wants.append(Want(key, owner, attr, kind, ref, _view(kind, t)))
     return wants
 
 
@@ -92,19 +97,11 @@ def loadable(module: nn.Module) -> list[Want]:
     """The parameters and persistent buffers of a model built normally, as wants (for loading
     a checkpoint or a file into it through :func:`materialise`)."""
     keys = _state_keys(module)
-    wants: list[Want] = []
-    seen: set[int] = set()
-    for prefix, owner in module.named_modules(remove_duplicate=False):
-        dot = f"{prefix}." if prefix else ""
-        for kind, tensors in (("parameter", owner._parameters), ("buffer", owner._buffers)):
-            for attr, t in tensors.items():
-                if t is None or id(t) in seen or dot + attr not in keys:
-                    continue
-                seen.add(id(t))
-                ref = Ref(-1, t.dtype, tuple(t.shape), tuple(t.stride()), 0)
-                view = view_of(t) if kind == "parameter" else whole_view(t.shape)
-                wants.append(Want(dot + attr, owner, attr, kind, ref, view))
-    return wants
+    return [
+        Want(key, owner, attr, kind, Ref(-1, t.dtype, tuple(t.shape), tuple(t.stride()), 0), _view(kind, t))
+        for key, owner, attr, kind, t in _module_tensors(module)
+        if key in keys
+    ]
 
 
 def check_recording(rec: Recording, model: nn.Module, source: Source) -> None:
@@ -219,7 +216,9 @@ def _fill_from_fn(wants: list[Want], init_fn: InitFn) -> None:
         value = init_fn(want.key, shape, want.ref.dtype)
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise DeferredInitError(f"init_fn({want.key!r}, {shape}, {want.ref.dtype}) returned {got}, not a tensor of {shape}")
+            raise DeferredInitError(
+                f"init_fn({want.key!r}, {shape}, {want.ref.dtype}) returned {got}, not a tensor of {shape}"
+            )
         _put(want, value.detach().cpu(), whole_view(shape))
 
 

@@ -170,10 +170,14 @@ def _opaque(rec: Recording, original: Any) -> Any:
         ref, _ = rec.ref(tensor)
         for value in (*args, *kwargs.values()):
             rec.note_generator(value)
-        whole = ref.offset == 0 and tensor.is_contiguous() and tensor.numel() * tensor.element_size() == rec.nbytes[ref.sid]
+        whole = (
+            ref.offset == 0 and tensor.is_contiguous() and tensor.numel() * tensor.element_size() == rec.nbytes[ref.sid]
+        )
         overwrites = frozenset({ref.sid}) if whole else frozenset()
         reads = frozenset() if whole else frozenset({ref.sid})
-        rec.ops.append(Op(original, (ref, *args), kwargs, [], frozenset(), frozenset({ref.sid}), overwrites, reads, True))
+        rec.ops.append(
+            Op(original, (ref, *args), kwargs, [], frozenset(), frozenset({ref.sid}), overwrites, reads, True)
+        )
         return tensor
 
     return init
@@ -190,7 +194,12 @@ def _seeding(rec: Recording, original: Any) -> Any:
     return seed
 
 
-_SEEDING = ((torch, "manual_seed"), (torch.random, "manual_seed"), (torch, "set_rng_state"), (torch.random, "set_rng_state"))
+_SEEDING = (
+    (torch, "manual_seed"),
+    (torch.random, "manual_seed"),
+    (torch, "set_rng_state"),
+    (torch.random, "set_rng_state"),
+)
 
 
 _FAKE_SCALARS = {"_local_scalar_dense", "equal", "is_nonzero"}
