@@ -34,7 +34,7 @@ class DeferredInitError(TesseraError, RuntimeError):
     """A deferred model cannot be materialised as recorded (the message says what to do)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Ref:
     """A tensor of the recording: storage ``sid`` seen as ``dtype`` with this size, stride and
     offset (in elements)."""
@@ -61,7 +61,7 @@ _OVERWRITING = {
 }  # fmt: skip
 
 
-@dataclass
+@dataclass(slots=True)
 class Op:
     """One recorded operation: ``func(*args, **kwargs)`` with :class:`Ref` in place of the
     recorded tensors, its output refs, and which storages it creates, writes (in place), wholly
@@ -78,6 +78,14 @@ class Op:
     rng: bool
 
 
+_NONE: frozenset[int] = frozenset()
+
+
+def _frozen(sids: set[int]) -> frozenset[int]:
+    """``sids`` as a frozenset (the empty one shared: most ops leave most sets empty)."""
+    return frozenset(sids) if sids else _NONE
+
+
 class Recording:
     """The operations that built a deferred model, in order, with the random states they start
     from (the default CPU generator's at the start of the block; an explicit generator's when
@@ -92,6 +100,7 @@ class Recording:
         self.nbytes: dict[int, int] = {}  # sid -> bytes of its storage
         self._sids: dict[int, int] = {}  # storage address -> sid
         self._storages: list[Any] = []  # kept alive, so that no address is reused while recording
+        self._refs: dict[tuple[Any, ...], Ref] = {}
         self.materialised = False
 
     # ---- what the recorder calls -----------------------------------------------------------
@@ -104,7 +113,10 @@ class Recording:
             self._sids[address] = len(self._sids)
             self._storages.append(storage)
             self.nbytes[self._sids[address]] = storage.nbytes()
-        ref = Ref(self._sids[address], t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
+        key = (self._sids[address], t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
+        ref = self._refs.get(key)
+        if ref is None:  # one object per distinct view: most ops name the same few tensors
+            ref = self._refs[key] = Ref(*key)
         return ref, new
 
     def sid_of(self, t: torch.Tensor) -> int | None:
@@ -270,8 +282,8 @@ class _Recorder(TorchDispatchMode):
                     creates.add(ref.sid)
         rng = torch.Tag.nondeterministic_seeded in func.tags
         rec.ops.append(
-            Op(func, rec_args, rec_kwargs, outputs, frozenset(creates), frozenset(writes), frozenset(overwrites),
-               frozenset(reads - overwrites), rng)
+            Op(func, rec_args, rec_kwargs, outputs, _frozen(creates), _frozen(writes), _frozen(overwrites),
+               _frozen(reads - overwrites), rng)
         )  # fmt: skip
         return out
 
@@ -302,3 +314,4 @@ def deferred_init() -> Iterator[Recording]:
         for module, name, original in originals:
             setattr(module, name, original)
         rec.exit_state = torch.get_rng_state()
+        rec._refs.clear()  # only for sharing refs while recording
