@@ -93,3 +93,30 @@ def test_a_full_state_file_loads_into_shards_within_the_bound(pools, full_file, 
     assert state.keys() == expected.keys()
     for key, value in expected.items():
         assert torch.equal(state[key], value), key
+
+
+def checkpoint_body(layout: str, path: str):
+    dims, config = LAYOUTS[layout] if layout in LAYOUTS else LAYOUT_ARGS[layout]
+    use_layout(**dims, config=config)
+    torch.manual_seed(123)
+    with tessera.deferred_init():
+        model = gpt("tiny", vocab_size=64, max_seq_len=16, d_model=32, n_layers=4, n_heads=4)
+    engine = tessera.initialize(model, torch.optim.AdamW(model.parameters()), NextTokenLoss(), init=path)[0]
+    state = full_state_dict(engine)
+    return state if torch.distributed.get_rank() == 0 else None
+
+
+@pytest.mark.parametrize("layout", ["2d-tp4", "zero3", "pp4"])
+def test_a_checkpoint_folder_from_one_process_fills_a_deferred_model_in_any_layout(pools, tmp_path, layout):
+    from tessera.checkpoint import save
+
+    use_layout(config={})
+    torch.manual_seed(7)
+    model = gpt("tiny", vocab_size=64, max_seq_len=16, d_model=32, n_layers=4, n_heads=4)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = tessera.initialize(model, torch.optim.AdamW(model.parameters()), NextTokenLoss())[0]
+    save(tmp_path / "ckpt", engine)
+    state = pools.run(4, checkpoint_body, layout, str(tmp_path / "ckpt"))[0]
+    assert state.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), key
