@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import time
 from typing import Any
 
 import torch
 
 from tessera.bench.report import Row, print_rows, write_rows
+from tessera.bench.zero_sides import deepspeed_available
 
 # layout -> (use_layout's arguments, the run's config)
 LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
@@ -79,16 +79,17 @@ def _gpt2_init(model: torch.nn.Module) -> None:
     """GPT-2 initialisation on whatever the parameters are (DTensors under FSDP2)."""
     from torch import nn
 
-    n_layers = len(model.blocks)  # type: ignore[arg-type]
+    from tessera.models.transformer import gpt2_init
+
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if ".ln" in name or name.startswith("ln"):
-                nn.init.ones_(p) if name.endswith("weight") else nn.init.zeros_(p)
-            elif name.endswith("bias"):
+            how = gpt2_init(name, len(model.blocks))  # type: ignore[arg-type]
+            if how == "ones":
+                nn.init.ones_(p)
+            elif how == "zeros":
                 nn.init.zeros_(p)
             else:
-                std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(("out.weight", "proj.weight")) else 0.02
-                nn.init.normal_(p, 0.0, std)
+                nn.init.normal_(p, 0.0, float(how))
 
 
 def _fsdp2(preset: str, overrides: dict[str, Any]) -> Any:
@@ -171,14 +172,6 @@ def measure(side: str, layout: str, preset: str, overrides: dict[str, Any], worl
         "growth": max(g["peak"] - g["base"] for g in got if g),
         "seconds": max(g["seconds"] for g in got if g),
     }
-
-
-def deepspeed_available() -> bool:
-    try:
-        import deepspeed  # noqa: F401
-    except Exception:
-        return False
-    return True
 
 
 def run(preset: str = "gpt2-medium", overrides: dict[str, Any] | None = None, sides: Any = SIDES) -> list[Row]:

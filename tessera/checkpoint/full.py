@@ -15,6 +15,7 @@ from tessera import comm
 from tessera.context import ParallelContext
 from tessera.context.placement import Placement, ReleasableStorage, placement_of, storages_of
 from tessera.files import atomic_path
+from tessera.memory.deferred import allocate
 from tessera.parallel.strategy import Strategy, state_dict_keys
 from tessera.parallel.tensor.common import gather_full, local_shard
 
@@ -95,7 +96,7 @@ def _full_tensor(tensor: torch.Tensor, placement: Placement) -> torch.Tensor:
     stage that trains it."""
     full = tensor.detach()
     if full.is_meta:  # a deferred model's parameter of another pipeline stage: received below
-        full = torch.empty(full.shape, dtype=full.dtype, device=_mesh(placement, "a parameter").device)
+        full = allocate(full, _mesh(placement, "a parameter").device)
     if placement.shard is not None:
         full = gather_full(full, placement.shard, _mesh(placement, "a sharded tensor"))
     mesh = placement.mesh

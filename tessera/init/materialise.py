@@ -20,8 +20,7 @@ rank; they are not in checkpoints when not persistent, so they always come from 
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,12 +28,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from tessera.checkpoint.format import index_entry
+from tessera.checkpoint.format import CheckpointError, dtype_of, index_entry, read_header
 from tessera.checkpoint.placing import fill
 from tessera.context.views import View, whole_view
 from tessera.init.recording import DeferredInitError, Recording, Ref, forget
 from tessera.init.replay import replay
-from tessera.memory.deferred import allocate_module
+from tessera.memory.deferred import allocate_module, module_tensors
 from tessera.parallel.strategy import view_of
 
 InitFn = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
@@ -63,21 +62,6 @@ class Want:
         return getattr(self.owner, self.attr)  # type: ignore[no-any-return]
 
 
-def _module_tensors(module: nn.Module) -> Iterator[tuple[str, nn.Module, str, str, torch.Tensor]]:
-    """``(key, owner, attribute, kind, tensor)`` for every parameter, buffer and plain tensor
-    attribute of ``module``'s modules, each tensor once (a tied one under its first key)."""
-    seen: set[int] = set()
-    for prefix, owner in module.named_modules(remove_duplicate=False):
-        dot = f"{prefix}." if prefix else ""
-        tensors = [("parameter", a, t) for a, t in owner._parameters.items()]
-        tensors += [("buffer", a, t) for a, t in owner._buffers.items()]
-        tensors += [("attribute", a, t) for a, t in vars(owner).items() if type(t) is torch.Tensor]
-        for kind, attr, t in tensors:
-            if t is not None and id(t) not in seen:
-                seen.add(id(t))
-                yield dot + attr, owner, attr, kind, t
-
-
 def _view(kind: str, t: torch.Tensor) -> View:
     return view_of(t) if kind == "parameter" else whole_view(t.shape)
 
@@ -86,7 +70,7 @@ def capture(module: nn.Module, rec: Recording) -> list[Want]:
     """Every deferred tensor of ``module`` (tied parameters once, under their first key), taken
     before a strategy replaces any of them."""
     wants = []
-    for key, owner, attr, kind, t in _module_tensors(module):
+    for key, owner, attr, kind, t in module_tensors(module):
         ref = rec.ref_of(t)
         if ref is not None:
             wants.append(Want(key, owner, attr, kind, ref, _view(kind, t)))
@@ -99,7 +83,7 @@ def loadable(module: nn.Module) -> list[Want]:
     keys = _state_keys(module)
     return [
         Want(key, owner, attr, kind, Ref(-1, t.dtype, tuple(t.shape), tuple(t.stride()), 0), _view(kind, t))
-        for key, owner, attr, kind, t in _module_tensors(module)
+        for key, owner, attr, kind, t in module_tensors(module)
         if key in keys
     ]
 
@@ -134,7 +118,8 @@ def materialise(strategy: Any, wants: list[Want], rec: Recording | None, source:
         assert rec is not None
         _fill_from_replay(wants, rec)
     else:
-        resident = [w for w in wants if w.kind != "parameter" and w.key not in _state_keys(strategy.module)]
+        saved = _state_keys(strategy.module)
+        resident = [w for w in wants if w.kind != "parameter" and w.key not in saved]
         _fill_from_file(Path(source), [w for w in wants if w not in resident])
         if resident and rec is not None:
             _fill_from_replay(resident, rec)
@@ -238,14 +223,19 @@ def _fill_from_file(path: Path, wants: list[Want]) -> None:
         return
     if not path.is_file():
         raise DeferredInitError(f"init={str(path)!r}: no such checkpoint folder or safetensors file")
+    try:
+        header, size = read_header(path)
+    except ValueError as exc:
+        raise DeferredInitError(f"{path} is not a safetensors file: {exc}") from exc
+    header.pop("__metadata__", None)
+    missing = [w.key for w in wants if w.targets and w.key not in header]
+    if missing:
+        raise DeferredInitError(f"{path} has no values for {', '.join(missing[:8])}")
+    data = size - max((int(e["data_offsets"][1]) for e in header.values()), default=0)  # where the data starts
     with open(path, "rb") as handle:
-        header = _safetensors_header(handle, path)
-        missing = [w.key for w in wants if w.targets and w.key not in header]
-        if missing:
-            raise DeferredInitError(f"{path} has no values for {', '.join(missing[:8])}")
         for want in wants:
             if want.targets:
-                value = _read_tensor(handle, header, want.key, path)
+                value = _read_tensor(handle, header[want.key], data, want.key, path)
                 if tuple(value.shape) != want.view.full_shape:
                     raise DeferredInitError(
                         f"{path}: {want.key} has shape {tuple(value.shape)}, the model {want.view.full_shape}"
@@ -254,41 +244,18 @@ def _fill_from_file(path: Path, wants: list[Want]) -> None:
                 del value  # one full tensor at a time
 
 
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}  # fmt: skip
-
-
-def _safetensors_header(handle: Any, path: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file: key -> dtype, shape, data offsets (the data starts
-    right after it). Read with plain file reads, not a memory map: pages of a mapped file count
-    in the resident size for as long as the file is mapped, so a mapped read of every tensor
-    would make the whole file resident."""
-    raw = handle.read(8)
-    if len(raw) != 8:
-        raise DeferredInitError(f"{path} is not a safetensors file (too short)")
-    size = int.from_bytes(raw, "little")
+def _read_tensor(handle: Any, entry: dict[str, Any], data: int, key: str, path: Path) -> torch.Tensor:
+    """One tensor of a safetensors file whose data starts at byte ``data``, read with plain file
+    reads, not a memory map: pages of a mapped file count in the resident size for as long as
+    the file is mapped, so a mapped read of every tensor would make the whole file resident."""
     try:
-        header = json.loads(handle.read(size))
-    except ValueError as exc:
-        raise DeferredInitError(f"{path} is not a safetensors file: its header does not parse ({exc})") from exc
-    header.pop("__metadata__", None)
-    for entry in header.values():
-        entry["start"] = 8 + size + entry["data_offsets"][0]
-    return dict(header)
-
-
-def _read_tensor(handle: Any, header: dict[str, Any], key: str, path: Path) -> torch.Tensor:
-    entry = header[key]
-    dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
-    if dtype is None:
-        raise DeferredInitError(f"{path}: {key} has dtype {entry['dtype']}, which tessera does not read")
+        dtype = dtype_of(entry["dtype"])
+    except CheckpointError:
+        raise DeferredInitError(f"{path}: {key} has dtype {entry['dtype']}, which tessera does not read") from None
     start, end = entry["data_offsets"]
     out = torch.empty(entry["shape"], dtype=dtype)
     buffer = out.view(-1).view(torch.uint8).numpy() if out.numel() else bytearray()
-    handle.seek(entry["start"])
+    handle.seek(data + start)
     if end - start != len(buffer) or handle.readinto(buffer) != end - start:
         raise DeferredInitError(f"{path}: {key} is truncated or its offsets are wrong")
     return out

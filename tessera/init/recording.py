@@ -101,7 +101,6 @@ class Recording:
         self._sids: dict[int, int] = {}  # storage address -> sid
         self._storages: list[Any] = []  # kept alive, so that no address is reused while recording
         self._refs: dict[tuple[Any, ...], Ref] = {}
-        self.materialised = False
 
     # ---- what the recorder calls -----------------------------------------------------------
     def ref(self, t: torch.Tensor) -> tuple[Ref, bool]:
@@ -118,6 +117,18 @@ class Recording:
         if ref is None:  # one object per distinct view: most ops name the same few tensors
             ref = self._refs[key] = Ref(*key)
         return ref, new
+
+    def whole(self, ref: Any) -> bool:
+        """Whether ``ref`` is all of its storage, contiguous (so an op that writes every element
+        of it leaves nothing of what the storage held)."""
+        if not isinstance(ref, Ref) or ref.offset != 0 or ref.numel * ref.dtype.itemsize != self.nbytes[ref.sid]:
+            return False
+        stride = 1
+        for size, got in zip(reversed(ref.size), reversed(ref.stride)):
+            if got != stride and size != 1:
+                return False
+            stride *= size
+        return True
 
     def sid_of(self, t: torch.Tensor) -> int | None:
         """The storage id of meta tensor ``t`` (None when the recording never saw it)."""
@@ -155,7 +166,6 @@ def recording_of(tensors: Any) -> Recording | None:
 
 def forget(rec: Recording) -> None:
     """Drop a recording once its model is materialised."""
-    rec.materialised = True
     if rec in _recordings:
         _recordings.remove(rec)
 
@@ -182,14 +192,10 @@ def _opaque(rec: Recording, original: Any) -> Any:
         ref, _ = rec.ref(tensor)
         for value in (*args, *kwargs.values()):
             rec.note_generator(value)
-        whole = (
-            ref.offset == 0 and tensor.is_contiguous() and tensor.numel() * tensor.element_size() == rec.nbytes[ref.sid]
-        )
-        overwrites = frozenset({ref.sid}) if whole else frozenset()
-        reads = frozenset() if whole else frozenset({ref.sid})
-        rec.ops.append(
-            Op(original, (ref, *args), kwargs, [], frozenset(), frozenset({ref.sid}), overwrites, reads, True)
-        )
+        mine = frozenset({ref.sid})
+        whole = rec.whole(ref)
+        rec.ops.append(Op(original, (ref, *args), kwargs, [], _NONE, mine, mine if whole else _NONE,
+                          _NONE if whole else mine, True))  # fmt: skip
         return tensor
 
     return init
@@ -200,7 +206,7 @@ def _seeding(rec: Recording, original: Any) -> Any:
     the block see them) and recorded, so that the replay's draws start where they did."""
 
     def seed(*args: Any, **kwargs: Any) -> Any:
-        rec.ops.append(Op(original, args, kwargs, [], frozenset(), frozenset(), frozenset(), frozenset(), True))
+        rec.ops.append(Op(original, args, kwargs, [], _NONE, _NONE, _NONE, _NONE, True))
         return original(*args, **kwargs)
 
     return seed
@@ -242,18 +248,10 @@ class _Recorder(TorchDispatchMode):
         reads: set[int] = set()
         writes: set[int] = set()
         overwrites: set[int] = set()
-        schema = func._schema.arguments
-        positional = list(args)
-        for i, value in enumerate(positional):
-            if isinstance(value, torch.Tensor) and value.is_meta and i < len(schema):
-                alias = schema[i].alias_info
-                if alias is not None and alias.is_write:
-                    writes.add(rec.ref(value)[0].sid)
-        for name, value in kwargs.items():
-            arg = next((a for a in schema if a.name == name), None)
-            if isinstance(value, torch.Tensor) and value.is_meta and arg is not None and arg.alias_info is not None:
-                if arg.alias_info.is_write:
-                    writes.add(rec.ref(value)[0].sid)
+        for i, arg in enumerate(func._schema.arguments):  # the arguments the op writes in place
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            if isinstance(value, torch.Tensor) and value.is_meta and arg.alias_info and arg.alias_info.is_write:
+                writes.add(rec.ref(value)[0].sid)
 
         def to_ref(value: Any) -> Any:
             rec.note_generator(value)
@@ -266,12 +264,10 @@ class _Recorder(TorchDispatchMode):
         rec_args = tree_map(to_ref, args)
         rec_kwargs = tree_map(to_ref, kwargs)
         name = func.__name__.split(".")[0]
-        if name in _OVERWRITING and positional and isinstance(positional[0], torch.Tensor) and positional[0].is_meta:
-            target = positional[0]
-            sid = rec.ref(target)[0].sid
-            whole = target.storage_offset() == 0 and target.is_contiguous()
-            if whole and target.numel() * target.element_size() == rec.nbytes[sid]:
-                overwrites.add(sid)
+        if name in _OVERWRITING and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            target = rec.ref(args[0])[0]
+            if rec.whole(target):
+                overwrites.add(target.sid)
         outputs: list[Ref] = []
         creates: set[int] = set()
         for value in tree_flatten(out)[0]:

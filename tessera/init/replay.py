@@ -4,7 +4,7 @@
 then frees it; the caller takes what it needs (its block, its ZeRO piece) before asking for the
 next. Only the operations a target's final value depends on run, plus every random draw (so
 the stream advances exactly as in single-process construction): a draw whose values nobody
-needs runs into a scratch buffer of its tensor's size that is freed at once. A storage lives
+needs runs in chunks into a small scratch buffer (see :func:`chunks`). A storage lives
 from the first operation that needs it to the last one, so the largest memory in use is about
 one full tensor at a time for models initialised tensor by tensor (a layer's init, then the
 model's own init), the GPT's and ViT's included.
@@ -77,11 +77,12 @@ def replay(
     ``peak_bytes``: the most bytes of storages held at once."""
     device = torch.device(device)
     needed, dead = needed_ops(rec, targets)
-    last: dict[int, int] = {}
+    touching: dict[int, list[int]] = {}  # storage -> the needed ops that touch it, in order
     for i, op in enumerate(rec.ops):
         if needed[i]:
             for sid in _sids(op):
-                last[sid] = i
+                touching.setdefault(sid, []).append(i)
+    last = {sid: ops[-1] for sid, ops in touching.items()}
     torch.set_rng_state(rec.rng_state)
     for generator, state in rec.generators.values():
         generator.set_state(state)
@@ -100,7 +101,7 @@ def replay(
             return device
         return value
 
-    sliced, root = _windows(rec, needed, last, targets, windows or {})
+    sliced, root = _windows(rec, touching, last, targets, windows or {})
     win: dict[int, torch.Tensor] = {}
 
     def window_of(sid: int, dtype: torch.dtype) -> torch.Tensor:
@@ -183,17 +184,6 @@ def _name(op: Any) -> str:
     return str(getattr(op.func, "__name__", "")).split(".")[0]
 
 
-def _whole(rec: Recording, ref: Any) -> bool:
-    """Whether ``ref`` is its whole storage, contiguous."""
-    if not isinstance(ref, Ref) or ref.offset != 0 or ref.numel * ref.dtype.itemsize != rec.nbytes[ref.sid]:
-        return False
-    expected, stride = [], 1
-    for size in reversed(ref.size):
-        expected.append(stride)
-        stride *= size
-    return all(s == e or n == 1 for s, e, n in zip(ref.stride, reversed(expected), ref.size))
-
-
 def _tensor_args(op: Any) -> list[Any]:
     return [a for a in tree_flatten((op.args, op.kwargs))[0] if isinstance(a, Ref | torch.Tensor)]
 
@@ -205,27 +195,26 @@ def _kind(rec: Recording, op: Any, sid: int) -> str | None:
     None for anything else."""
     name = _name(op)
     if sid in op.creates:
-        if len(op.outputs) != 1 or not _whole(rec, op.outputs[0]) or _tensor_args(op):
+        if len(op.outputs) != 1 or not rec.whole(op.outputs[0]) or _tensor_args(op):
             return None
         return "made" if name in _MADE else "draw-made" if name in _DRAWS_MADE else None
     first = op.args[0] if op.args else None
-    if not (isinstance(first, Ref) and first.sid == sid and _whole(rec, first)) or len(_tensor_args(op)) != 1:
+    if not (isinstance(first, Ref) and first.sid == sid and rec.whole(first)) or len(_tensor_args(op)) != 1:
         return None
     return "draw" if name in _DRAWS_IN_PLACE else "elementwise" if name in _ELEMENTWISE else None
 
 
 def _windows(
-    rec: Recording, needed: list[bool], last: dict[int, int], targets: set[int], asked: dict[int, tuple[int, int]]
+    rec: Recording,
+    touching: dict[int, list[int]],
+    last: dict[int, int],
+    targets: set[int],
+    asked: dict[int, tuple[int, int]],
 ) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
     """The storages to make only in part: each asked target whose value depends on nothing but
     the ops :func:`_kind` accepts and moves from storages that do too (those with it); and for
     each, the target it ends in (at most one storage of a chain holds a value at a time: a
     move overwrites its destination whole)."""
-    touching: dict[int, list[int]] = {}
-    for i, op in enumerate(rec.ops):
-        if needed[i]:
-            for sid in _sids(op):
-                touching.setdefault(sid, []).append(i)
     out: dict[int, tuple[int, int]] = {}
     roots: dict[int, int] = {}
     for target, span in asked.items():
@@ -338,7 +327,7 @@ def _moves(rec: Recording, op: Any, last: dict[int, int], targets: set[int], i: 
     very same layout whose value is not needed afterwards (a model's init drawing a full tensor
     and copying it into a parameter): the source's storage can become the destination's, which
     keeps one full tensor in memory instead of two."""
-    if getattr(op.func, "__name__", "").split(".")[0] != "copy_" or len(op.args) < 2:
+    if _name(op) != "copy_" or len(op.args) < 2:
         return False
     dst, src = op.args[0], op.args[1]
     if not (isinstance(dst, Ref) and isinstance(src, Ref)) or dst.sid not in op.overwrites or dst.sid == src.sid:

@@ -3,7 +3,7 @@ come later, from tessera.init)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -29,20 +29,37 @@ def set_data(param: nn.Parameter, value: torch.Tensor) -> None:
     param.data = value
 
 
+def module_tensors(module: nn.Module) -> Iterator[tuple[str, nn.Module, str, str, torch.Tensor]]:
+    """``(key, owner, attribute, kind, tensor)`` for every parameter, buffer and plain tensor
+    attribute of ``module``'s modules (kind ``"parameter"``, ``"buffer"`` or ``"attribute"``),
+    each tensor once (a tied one under its first key)."""
+    seen: set[int] = set()
+    for prefix, owner in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        tensors = [("parameter", a, t) for a, t in owner._parameters.items()]
+        tensors += [("buffer", a, t) for a, t in owner._buffers.items()]
+        tensors += [("attribute", a, t) for a, t in vars(owner).items() if type(t) is torch.Tensor]
+        for kind, attr, t in tensors:
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                yield dot + attr, owner, attr, kind, t
+
+
 def allocate_module(module: nn.Module, device: torch.device, keeps: Callable[[torch.Tensor], bool]) -> None:
-    """Give every meta parameter that ``keeps`` and every meta buffer of ``module`` real
-    (uninitialised) memory on ``device``, in place: parameter objects stay the same objects."""
+    """Give every meta parameter that ``keeps`` and every meta buffer and tensor attribute of
+    ``module`` real (uninitialised) memory on ``device``, in place: parameter objects stay the
+    same objects."""
     with torch.no_grad():
-        for owner in module.modules():
-            for param in owner._parameters.values():
-                if param is not None and param.is_meta and keeps(param):
-                    set_data(param, allocate(param, device))
-            for name, buffer in owner._buffers.items():
-                if buffer is not None and buffer.is_meta:
-                    owner._buffers[name] = allocate(buffer, device)
-            for attr, value in list(vars(owner).items()):
-                if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.is_meta:
-                    setattr(owner, attr, allocate(value, device))
+        for _, owner, attr, kind, t in list(module_tensors(module)):
+            if not t.is_meta:
+                continue
+            if kind == "parameter":
+                if keeps(t):
+                    set_data(t, allocate(t, device))  # type: ignore[arg-type]
+            elif kind == "buffer":
+                owner._buffers[attr] = allocate(t, device)
+            else:
+                setattr(owner, attr, allocate(t, device))
 
 
 def to_device(module: nn.Module, device: torch.device) -> None:

@@ -109,19 +109,29 @@ def reset_in_full(module: nn.Module, rule: Callable[[str, tuple[int, ...]], torc
             param.copy_(full)
 
 
+def gpt2_init(name: str, n_layers: int) -> float | str:
+    """How GPT-2 initialises the parameter ``name``: ``"ones"`` (LayerNorm scales), ``"zeros"``
+    (biases), or the standard deviation of its normal draw (0.02; residual projections scaled
+    by 1/sqrt(2 n_layers))."""
+    leaf = name.rsplit(".", 1)[-1]
+    owner = name.rsplit(".", 2)[-2] if name.count(".") else ""
+    if owner.startswith("ln") or owner == "norm":
+        return "ones" if leaf == "weight" else "zeros"
+    if leaf == "bias":
+        return "zeros"
+    return 0.02 / math.sqrt(2 * n_layers) if name.endswith(("attn.out.weight", "mlp.proj.weight")) else 0.02
+
+
 def gpt2_rule(n_layers: int) -> Callable[[str, tuple[int, ...]], torch.Tensor]:
-    """GPT-2 initialisation by parameter name: N(0, 0.02) weights, residual projections scaled
-    by 1/sqrt(2 n_layers), zero biases, unit LayerNorm scales."""
-    residual_std = 0.02 / math.sqrt(2 * n_layers)
+    """GPT-2 initialisation by parameter name (:func:`gpt2_init`), as full tensors."""
 
     def rule(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        leaf = name.rsplit(".", 1)[-1]
-        owner = name.rsplit(".", 2)[-2] if name.count(".") else ""
-        if owner.startswith("ln") or owner == "norm":
-            return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
-        if leaf == "bias":
+        how = gpt2_init(name, n_layers)
+        if how == "ones":
+            return torch.ones(shape)
+        if how == "zeros":
             return torch.zeros(shape)
-        std = residual_std if name.endswith(("attn.out.weight", "mlp.proj.weight")) else 0.02
-        return torch.randn(shape).mul_(std)  # in place: one full tensor at a time
+        assert isinstance(how, float)
+        return torch.randn(shape).mul_(how)  # in place: one full tensor at a time
 
     return rule
