@@ -20,6 +20,7 @@ describes its tensors this way (``Strategy.checkpoint_tensors``, which lists the
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -33,7 +34,7 @@ from tessera.context.placement import ShardSpec, round_up
 Segment = tuple[int, int, int]  # (local_start, full_start, length)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class View:
     """One held tensor in full coordinates (see the module docstring)."""
 
@@ -101,8 +102,13 @@ class HeldTensor:
 
 
 def whole_view(shape: Sequence[int]) -> View:
-    """The view of a tensor held whole."""
-    shape = tuple(int(n) for n in shape)
+    """The view of a tensor held whole (one shared object per shape: views are immutable, and
+    a model asks for one per tensor)."""
+    return _whole_view(tuple(int(n) for n in shape))
+
+
+@functools.lru_cache(maxsize=1024)
+def _whole_view(shape: tuple[int, ...]) -> View:
     return View(shape, shape, tuple(((0, 0, n),) if n > 0 else () for n in shape))
 
 

@@ -32,7 +32,7 @@ from tessera.checkpoint.format import CheckpointError, dtype_of, index_entry, re
 from tessera.checkpoint.placing import fill
 from tessera.context.views import View, whole_view
 from tessera.init.recording import DeferredInitError, Recording, Ref, forget
-from tessera.init.replay import replay
+from tessera.init.replay import replay, trim_heap
 from tessera.memory.deferred import allocate_module, module_tensors
 from tessera.parallel.strategy import view_of
 
@@ -161,7 +161,7 @@ def _fill_from_replay(wants: list[Want], rec: Recording) -> None:
             pending.setdefault(want.ref.sid, []).append(want)
     pieces = _pieces(pending)
     into = {sid: pending[sid][0].targets[0][0] for sid in pieces}
-    for made in replay(rec, set(pending), windows=pieces, into=into):
+    for made in replay(rec, set(pending), windows=pieces, into=into, consume=True):
         for want in pending.pop(made.sid):
             if made.window is not None:  # only this rank's piece was made (in place, when it could)
                 for tensor, _ in want.targets:
@@ -171,6 +171,7 @@ def _fill_from_replay(wants: list[Want], rec: Recording) -> None:
             ref = want.ref
             value = torch.empty(0, dtype=ref.dtype).set_(made.storage, ref.offset, ref.size, ref.stride)
             _put(want, value, want.view)
+    trim_heap()  # what the replay freed (its last storages, its bookkeeping) is not kept resident
     if not untouched:
         torch.set_rng_state(state)  # draws made since construction keep their place
     if pending:

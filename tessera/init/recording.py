@@ -70,20 +70,21 @@ class Op:
     func: Any
     args: Any
     kwargs: Any
-    outputs: list[Ref]
-    creates: frozenset[int]
-    writes: frozenset[int]
-    overwrites: frozenset[int]
-    reads: frozenset[int]
+    outputs: tuple[Ref, ...]
+    creates: tuple[int, ...]
+    writes: tuple[int, ...]
+    overwrites: tuple[int, ...]
+    reads: tuple[int, ...]
     rng: bool
 
 
-_NONE: frozenset[int] = frozenset()
+def _ids(sids: set[int]) -> tuple[int, ...]:
+    """``sids`` as a tuple (a model's recording holds thousands of these, most of them empty or
+    of one storage: a tuple is a quarter of a set's size; the empty one is shared)."""
+    return tuple(sids) if sids else ()
 
 
-def _frozen(sids: set[int]) -> frozenset[int]:
-    """``sids`` as a frozenset (the empty one shared: most ops leave most sets empty)."""
-    return frozenset(sids) if sids else _NONE
+_PLAIN = {bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format}
 
 
 class Recording:
@@ -93,6 +94,7 @@ class Recording:
 
     def __init__(self) -> None:
         self.ops: list[Op] = []
+        self.consumed = False  # replayed with consume=True: its ops are gone
         self.rng_state = torch.get_rng_state()
         self.exit_state = self.rng_state  # the default generator's state when the block ended
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
@@ -101,6 +103,7 @@ class Recording:
         self._sids: dict[int, int] = {}  # storage address -> sid
         self._storages: list[Any] = []  # kept alive, so that no address is reused while recording
         self._refs: dict[tuple[Any, ...], Ref] = {}
+        self._kwargs: dict[tuple[Any, ...], dict[str, Any]] = {}
 
     # ---- what the recorder calls -----------------------------------------------------------
     def ref(self, t: torch.Tensor) -> tuple[Ref, bool]:
@@ -117,6 +120,27 @@ class Recording:
         if ref is None:  # one object per distinct view: most ops name the same few tensors
             ref = self._refs[key] = Ref(*key)
         return ref, new
+
+    def interned(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """One dict for every op called with the same keyword arguments (a factory's dtype,
+        device and layout: most ops of a model share a handful)."""
+        if not all(type(v) in _PLAIN for v in kwargs.values()):
+            return kwargs  # tensors, lists, generators: kept as they are
+        return self._kwargs.setdefault(tuple(kwargs.items()), kwargs)
+
+    def settle(self) -> None:
+        """At the end of the block: forget the storages no tensor uses any more (temporaries of
+        construction). Their addresses were held only so that none was reused while recording;
+        their ids, sizes and ops stay."""
+        alive = []
+        for storage in self._storages:
+            if torch._C._storage_Use_Count(storage._cdata) > 1:  # a tensor besides this list
+                alive.append(storage)
+            else:
+                del self._sids[storage._cdata]
+        self._storages = alive
+        self._refs.clear()  # only for sharing refs while recording
+        self._kwargs.clear()
 
     def whole(self, ref: Any) -> bool:
         """Whether ``ref`` is all of its storage, contiguous (so an op that writes every element
@@ -192,10 +216,10 @@ def _opaque(rec: Recording, original: Any) -> Any:
         ref, _ = rec.ref(tensor)
         for value in (*args, *kwargs.values()):
             rec.note_generator(value)
-        mine = frozenset({ref.sid})
+        mine = (ref.sid,)
         whole = rec.whole(ref)
-        rec.ops.append(Op(original, (ref, *args), kwargs, [], _NONE, mine, mine if whole else _NONE,
-                          _NONE if whole else mine, True))  # fmt: skip
+        rec.ops.append(Op(original, (ref, *args), kwargs, (), (), mine, mine if whole else (), () if whole else mine,
+                          True))  # fmt: skip
         return tensor
 
     return init
@@ -206,7 +230,7 @@ def _seeding(rec: Recording, original: Any) -> Any:
     the block see them) and recorded, so that the replay's draws start where they did."""
 
     def seed(*args: Any, **kwargs: Any) -> Any:
-        rec.ops.append(Op(original, args, kwargs, [], _NONE, _NONE, _NONE, _NONE, True))
+        rec.ops.append(Op(original, args, kwargs, (), (), (), (), (), True))
         return original(*args, **kwargs)
 
     return seed
@@ -278,8 +302,8 @@ class _Recorder(TorchDispatchMode):
                     creates.add(ref.sid)
         rng = torch.Tag.nondeterministic_seeded in func.tags
         rec.ops.append(
-            Op(func, rec_args, rec_kwargs, outputs, _frozen(creates), _frozen(writes), _frozen(overwrites),
-               _frozen(reads - overwrites), rng)
+            Op(func, rec_args, rec.interned(rec_kwargs), tuple(outputs), _ids(creates), _ids(writes),
+               _ids(overwrites), _ids(reads - overwrites), rng)
         )  # fmt: skip
         return out
 
@@ -310,4 +334,4 @@ def deferred_init() -> Iterator[Recording]:
         for module, name, original in originals:
             setattr(module, name, original)
         rec.exit_state = torch.get_rng_state()
-        rec._refs.clear()  # only for sharing refs while recording
+        rec.settle()

@@ -30,19 +30,21 @@ def needed_ops(rec: Recording, targets: set[int]) -> tuple[list[bool], list[froz
     storage ends the need for what the storage held before."""
     live = set(targets)
     needed = [False] * len(rec.ops)
-    dead: list[frozenset[int]] = [frozenset()] * len(rec.ops)
+    none: frozenset[int] = frozenset()
+    dead = [none] * len(rec.ops)
     for i in range(len(rec.ops) - 1, -1, -1):
         op = rec.ops[i]
-        if op.rng or (op.creates | op.writes) & live:
+        written = {*op.creates, *op.writes}
+        if op.rng or not live.isdisjoint(written):
             needed[i] = True
-            dead[i] = (op.creates | op.writes) - live
-            live -= op.creates | op.overwrites
-            live |= op.reads
+            dead[i] = frozenset(written - live) if not written <= live else none
+            live.difference_update(op.creates, op.overwrites)
+            live.update(op.reads)
     return needed, dead
 
 
 def _sids(op: Any) -> set[int]:
-    return set(op.creates | op.writes | op.reads | op.overwrites)
+    return {*op.creates, *op.writes, *op.reads, *op.overwrites}
 
 
 class Made(NamedTuple):
@@ -62,6 +64,7 @@ def replay(
     stats: dict[str, int] | None = None,
     windows: dict[int, tuple[int, int]] | None = None,
     into: dict[int, torch.Tensor] | None = None,
+    consume: bool = False,
 ) -> Iterator[Made]:
     """Yield each storage of ``targets`` (a :class:`Made`) once its value is final (valid until
     the next item is asked for). Draws from the default CPU generator starting at the state the
@@ -74,9 +77,19 @@ def replay(
     :func:`chunks`); otherwise the whole storage is made. ``into``: where a windowed target's
     range goes (a CPU tensor of that many elements and the target's dtype, a ZeRO piece say):
     made there directly, with no window of its own. ``stats`` (if given) receives
-    ``peak_bytes``: the most bytes of storages held at once."""
+    ``peak_bytes``: the most bytes of storages held at once. ``consume``: drop each operation
+    of ``rec`` once it ran (and those never needed, at the start), so that the memory of the
+    record is reused by what the replay makes; the recording cannot be replayed again."""
+    if rec.consumed:
+        raise ValueError("this recording was consumed by an earlier replay")
     device = torch.device(device)
     needed, dead = needed_ops(rec, targets)
+    ops: list[Any] = rec.ops
+    if consume:
+        rec.consumed = True
+        for i, flag in enumerate(needed):
+            if not flag:
+                ops[i] = None
     touching: dict[int, list[int]] = {}  # storage -> the needed ops that touch it, in order
     for i, op in enumerate(rec.ops):
         if needed[i]:
@@ -112,19 +125,20 @@ def replay(
             return dest.view(-1)
         return torch.empty(end - start, dtype=dtype, device=device)
 
+    scratch = _Scratch(device)
     freed = 0  # bytes of storage dropped since the heap was last trimmed
     with torch.no_grad():
-        for i, op in enumerate(rec.ops):
+        for i, op in enumerate(ops):
             if not needed[i]:
                 continue
             if freed >= _TRIM_AT:
-                _trim_heap()
+                trim_heap()
                 freed = 0
             touched = _sids(op)
             if op.rng and _draw_into_dead(rec, op, dead[i]):
-                _draw_and_drop(rec, op, arg)  # only the stream advances; no full tensor is made
+                _draw_and_drop(rec, op, arg, scratch)  # only the stream advances; no full tensor is made
             elif touched & sliced.keys():
-                _run_windowed(rec, op, sliced, win, arg, window_of)
+                _run_windowed(rec, op, sliced, win, arg, window_of, scratch)
             elif _moves(rec, op, last, targets, i):  # the source dies here: hand its storage over
                 dst, src = op.args[0], op.args[1]
                 real[dst.sid] = tensor(src).untyped_storage()
@@ -152,6 +166,8 @@ def replay(
                 if sid in targets and storage is not None:
                     yield Made(sid, storage)
                 del storage
+            if consume:
+                ops[i] = None
 
 
 # ---- making only a range of a tensor ---------------------------------------------------------
@@ -169,13 +185,15 @@ _ELEMENTWISE = {
 
 
 def chunks(n: int, size: int = CHUNK) -> list[tuple[int, int]]:
-    """``[start, end)`` pieces of ``n`` elements: ``size`` each, the last one taking the
-    remainder too. Drawing a tensor piece by piece this way gives bitwise the values (and leaves
-    the generator where) one draw of the whole gives: the CPU generator fills normal values in
-    groups of 16 and redraws a ragged tail only at the very end, and uniform values one by one
-    (checked by a test for float32, float64 and bfloat16)."""
+    """``[start, end)`` pieces of ``n`` elements: ``size`` each (a multiple of 16), the last
+    one the remainder, or the previous piece with it when fewer than 16 are left. Drawing a
+    tensor piece by piece this way gives bitwise the values (and leaves the generator where)
+    one draw of the whole gives: the CPU generator fills normal values in groups of 16 and
+    redraws the last 16 of a ragged tensor at the very end (a piece of under 16 would be drawn
+    another way), and uniform values one by one (checked by a test for float32, float64 and
+    bfloat16). A piece is thus at most ``size + 15`` elements."""
     starts = list(range(0, n, size)) or [0]
-    if len(starts) > 1 and n - starts[-1] < size:
+    if len(starts) > 1 and n - starts[-1] < 16:
         starts.pop()
     return [(a, starts[j + 1] if j + 1 < len(starts) else n) for j, a in enumerate(starts)]
 
@@ -240,7 +258,13 @@ def _windows(
 
 
 def _run_windowed(
-    rec: Recording, op: Any, sliced: dict[int, tuple[int, int]], win: dict[int, torch.Tensor], arg: Any, window_of: Any
+    rec: Recording,
+    op: Any,
+    sliced: dict[int, tuple[int, int]],
+    win: dict[int, torch.Tensor],
+    arg: Any,
+    window_of: Any,
+    scratch: _Scratch,
 ) -> None:
     if _name(op) == "copy_" and len(op.args) >= 2 and isinstance(op.args[1], Ref) and op.args[1].sid in sliced:
         win[op.args[0].sid] = win.pop(op.args[1].sid)  # a move within the chain
@@ -250,9 +274,9 @@ def _run_windowed(
     kind = _kind(rec, op, sid)
     rest = tree_map(arg, op.args[1:])
     kwargs = tree_map(arg, op.kwargs)
-    if kind == "made":
+    if kind == "made":  # written in place: no second tensor of the window's size
         win[sid] = window_of(sid, op.outputs[0].dtype)
-        win[sid].copy_(op.func([end - start], *rest, **kwargs))
+        _fill(win[sid], _name(op), rest)
         return
     if kind == "elementwise":
         op.func(win[sid], *rest, **kwargs)
@@ -261,43 +285,77 @@ def _run_windowed(
     if sid not in win:
         win[sid] = window_of(sid, ref.dtype)
     for a, b in chunks(ref.numel):
-        if kind == "draw-made":
-            piece = op.func([b - a], *rest, **kwargs)
-        else:
-            piece = torch.empty(b - a, dtype=ref.dtype, device=win[sid].device)
-            op.func(piece, *rest, **kwargs)
+        piece = scratch.take(b - a, ref.dtype)
+        _draw(op, kind, piece, rest, kwargs)
         lo, hi = max(a, start), min(b, end)
         if lo < hi:
             win[sid][lo - start : hi - start].copy_(piece[lo - a : hi - a])
 
 
+def _fill(window: torch.Tensor, name: str, rest: Any) -> None:
+    """What a factory op (``zeros``, ``ones``, ``full``, ``empty``) would have made, written
+    into ``window``."""
+    if name == "zeros":
+        window.zero_()
+    elif name == "ones":
+        window.fill_(1)
+    elif name == "full":
+        window.fill_(rest[0])
+    # empty: its values are whatever memory held; a later op overwrites them
+
+
+def _draw(op: Any, kind: str | None, piece: torch.Tensor, rest: Any, kwargs: dict[str, Any]) -> None:
+    """Draw ``op``'s values for ``piece.numel()`` elements into ``piece``. A made draw
+    (``randn``, ``rand``) is ATen's empty tensor then ``normal_(0, 1)`` / ``uniform_(0, 1)``
+    with the op's generator: the same values, in memory the caller reuses."""
+    if kind == "draw-made":
+        generator = kwargs.get("generator")
+        if _name(op) == "randn":
+            piece.normal_(0.0, 1.0, generator=generator)
+        else:
+            piece.uniform_(0.0, 1.0, generator=generator)
+    else:
+        op.func(piece, *rest, **kwargs)
+
+
+class _Scratch:
+    """One buffer reused for every piece of a chunked draw: a fresh tensor per piece would
+    leave the heap fragmented (glibc does not always hand the same block back), and the
+    resident size would grow by a few pieces over a model's replay."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.storage: Any = None
+
+    def take(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = n * dtype.itemsize
+        if self.storage is None or self.storage.nbytes() < nbytes:
+            size = max(nbytes, (CHUNK + 15) * 8)  # the largest piece of chunks(), in float64
+            self.storage = torch.UntypedStorage(size, device=self.device)
+        return torch.empty(0, dtype=dtype, device=self.device).set_(self.storage, 0, (n,), (1,))
+
+
 def _draw_into_dead(rec: Recording, op: Any, dead: frozenset[int]) -> bool:
     """Whether ``op`` draws random values over a whole storage that nobody reads afterwards."""
-    written = op.creates | op.writes
+    written = {*op.creates, *op.writes}
     return len(written) == 1 and written <= dead and _kind(rec, op, next(iter(written))) in ("draw", "draw-made")
 
 
-def _draw_and_drop(rec: Recording, op: Any, arg: Any) -> None:
+def _draw_and_drop(rec: Recording, op: Any, arg: Any, scratch: _Scratch) -> None:
     """Advance the stream as ``op`` would, in chunks, keeping none of the values."""
-    sid = next(iter(op.creates | op.writes))
-    made = sid in op.creates
-    ref = op.outputs[0] if made else op.args[0]
+    sid = next(iter({*op.creates, *op.writes}))
+    kind = "draw-made" if sid in op.creates else "draw"
+    ref = op.outputs[0] if kind == "draw-made" else op.args[0]
     rest = tree_map(arg, op.args[1:])
     kwargs = tree_map(arg, op.kwargs)
-    scratch = None
     for a, b in chunks(ref.numel):
-        if made:
-            op.func([b - a], *rest, **kwargs)
-        else:
-            if scratch is None or scratch.numel() < b - a:
-                scratch = torch.empty(b - a, dtype=ref.dtype)
-            op.func(scratch[: b - a], *rest, **kwargs)
+        _draw(op, kind, scratch.take(b - a, ref.dtype), rest, kwargs)
 
 
 _TRIM_AT = 1 << 20
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
     """Hand freed heap memory back to the system (glibc's ``malloc_trim``; nothing elsewhere).
     glibc keeps freed blocks of a few MB in its heap and does not always reuse them for the
     next block of the same size (alignment), so without this each full tensor drawn and freed

@@ -53,7 +53,7 @@ class IllegalTransition(RuntimeError):
     """A chunk was asked to move between two states that the transition table does not link."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Slot:
     """Where one tensor lives: ``chunk.full[offset : offset + numel]`` viewed as ``shape``."""
 
@@ -316,12 +316,13 @@ class WholeStateDict:
         def after_save(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
             self._after_save(module, state, prefix)  # a function: torch marks the post-hooks it is given
 
+        before_save, before_load, after_load = self._before_save, self._before_load, self._after_load  # bound once
         for m in module.modules():
             if id(m) in hooked:
-                m.register_state_dict_pre_hook(self._before_save)
+                m.register_state_dict_pre_hook(before_save)
                 m.register_state_dict_post_hook(after_save)
-                m.register_load_state_dict_pre_hook(self._before_load)
-                m.register_load_state_dict_post_hook(self._after_load)
+                m.register_load_state_dict_pre_hook(before_load)
+                m.register_load_state_dict_post_hook(after_load)
         # the call in progress
         self._kind = ""  # "save" or "load"
         self._stack: list[nn.Module] = []  # modules whose call is running, outermost first

@@ -126,9 +126,8 @@ class ZeroOptimizer:
         self._ready: dict[int, int] = {}
         self._callback_queued = False
         self._trainable = {c.index: len(c.slots) for c in self.store.chunks}
-        if policy.reduce_in_backward:
-            for p in self.params:
-                p.register_post_accumulate_grad_hook(self._on_grad)
+        if policy.reduce_in_backward:  # the gradient hooks go on when the first pass begins
+            self._hooks_pending = model.register_forward_pre_hook(self._install_grad_hooks)
         self._release = ReleaseOnUse(model, self.store, self._slot_of) if policy.release_parameters else None
         # model.state_dict() gathers released chunks and returns copies; model.load_state_dict()
         # reaches the shards and the masters
@@ -239,6 +238,14 @@ class ZeroOptimizer:
             self.optimizer.param_groups = user.param_groups
 
     # ---- gradients ---------------------------------------------------------------------------
+    def _install_grad_hooks(self, module: nn.Module, args: Any) -> None:
+        """Before the first forward: a hook on each parameter taking its gradient as soon as it
+        is accumulated (installed then rather than at construction, as FSDP2 does its lazy
+        set-up: a model that is built and only saved or loaded carries none)."""
+        self._hooks_pending.remove()
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
     def _on_grad(self, p: torch.Tensor) -> None:
         """Stage 2/3, during backward: move ``p``'s gradient into its chunk's bucket; when the
         chunk is complete, start its reduce-scatter."""

@@ -36,6 +36,15 @@ class ReleaseOnUse:
         self._cursor = 0  # position in _calls of the module running now (+1)
         self._recording = True
         self._backward_queued = False
+        self._model: nn.Module | None = model  # until the hooks are installed
+        model.register_forward_pre_hook(self._begin_pass)
+        for chunk in self.store.chunks:
+            chunk.release()
+
+    def _install(self, model: nn.Module) -> None:
+        """The per-module hooks, put in place when the first pass begins (as FSDP2's lazy
+        initialisation does): a model that is built and never run, or only saved, carries
+        none of them."""
         for module in model.modules():
             chunks = self._chunks_of(module)
             if not chunks:
@@ -44,10 +53,7 @@ class ReleaseOnUse:
                 self._users[c.index] = self._users.get(c.index, 0) + 1
             module.register_forward_pre_hook(self._make_pre_forward(chunks))
             module.register_forward_hook(self._make_post_forward(chunks))
-        model.register_forward_pre_hook(self._begin_pass)
         model.register_forward_hook(self._end_pass)
-        for chunk in self.store.chunks:
-            chunk.release()
 
     def _chunks_of(self, module: nn.Module) -> list[Chunk]:
         found: dict[int, Chunk] = {}
@@ -59,8 +65,14 @@ class ReleaseOnUse:
 
     # ---- forward -----------------------------------------------------------------------------
     def _begin_pass(self, module: nn.Module, args: Any) -> None:
+        first = self._model is not None
+        if first:
+            self._install(module)
+            self._model = None
         self._left = dict(self._users)
         self._cursor = 0
+        if first and (own := self._chunks_of(module)):  # its own hook was added in this call: runs from the next
+            self._gather(own)
 
     def _end_pass(self, module: nn.Module, args: Any, output: Any) -> None:
         self._recording = False

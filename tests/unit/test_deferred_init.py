@@ -170,11 +170,13 @@ def test_a_file_missing_a_tensor_names_it(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("n", [1, 15, 16, 17, 1000, 4096 + 3, 3 * 4096])
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 1000, 4096 + 3, 4096 + 20, 2 * 4096 + 16, 3 * 4096])
 def test_drawing_in_chunks_gives_the_values_of_one_draw(dtype, n):
-    """What the replay relies on to make only a rank's range of a drawn tensor."""
+    """What the replay relies on to make only a rank's range of a drawn tensor (and to draw a
+    ``randn`` / ``rand`` piece by piece into reused memory)."""
     from tessera.init.replay import chunks
 
+    assert all(b - a <= 4096 + 15 for a, b in chunks(n, size=4096))
     for draw in (lambda t: t.normal_(0.1, 0.02), lambda t: t.uniform_(-0.3, 0.3)):
         torch.manual_seed(3)
         whole = draw(torch.empty(n, dtype=dtype))
@@ -184,6 +186,14 @@ def test_drawing_in_chunks_gives_the_values_of_one_draw(dtype, n):
         for a, b in chunks(n, size=4096):
             draw(pieces[a:b])
         assert torch.equal(pieces, whole) and torch.equal(torch.rand(2), after_whole)
+    for made, in_place in ((torch.randn, lambda t: t.normal_(0.0, 1.0)), (torch.rand, lambda t: t.uniform_(0.0, 1.0))):
+        torch.manual_seed(4)
+        whole = made(n, dtype=dtype)
+        torch.manual_seed(4)
+        pieces = torch.empty(n, dtype=dtype)
+        for a, b in chunks(n, size=4096):
+            in_place(pieces[a:b])
+        assert torch.equal(pieces, whole)
 
 
 def test_a_rank_range_of_a_drawn_tensor_is_made_alone():
