@@ -116,6 +116,7 @@ def materialise(strategy: Any, wants: list[Want], rec: Recording | None, source:
         _fill_from_fn(wants, source)
     elif source == "random":
         assert rec is not None
+        rec.drop_lookup()  # the strategy is built: its memory goes to the replay's bookkeeping
         _fill_from_replay(wants, rec)
     else:
         saved = _state_keys(strategy.module)

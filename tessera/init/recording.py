@@ -142,6 +142,13 @@ class Recording:
         self._refs.clear()  # only for sharing refs while recording
         self._kwargs.clear()
 
+    def drop_lookup(self) -> None:
+        """Once the model's tensors are captured as refs (``initialize``, before the replay):
+        the map from live storages to ids is no longer needed; the recording then no longer
+        answers ``recording_of`` / ``sid_of``."""
+        self._sids.clear()
+        self._storages.clear()
+
     def whole(self, ref: Any) -> bool:
         """Whether ``ref`` is all of its storage, contiguous (so an op that writes every element
         of it leaves nothing of what the storage held)."""

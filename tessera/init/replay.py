@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from tessera.init.recording import Recording, Ref
 
 
-def needed_ops(rec: Recording, targets: set[int]) -> tuple[list[bool], list[frozenset[int]]]:
+def needed_ops(rec: Recording, targets: set[int]) -> tuple[list[bool], list[tuple[int, ...]]]:
     """For each op of ``rec``: whether it must run (it draws random numbers, or it makes or
     changes a storage whose value a target depends on), and the storages it writes whose values
     nobody needs afterwards (a draw into a weight that the model's init redraws later: freed
@@ -30,14 +30,13 @@ def needed_ops(rec: Recording, targets: set[int]) -> tuple[list[bool], list[froz
     storage ends the need for what the storage held before."""
     live = set(targets)
     needed = [False] * len(rec.ops)
-    none: frozenset[int] = frozenset()
-    dead = [none] * len(rec.ops)
+    dead: list[tuple[int, ...]] = [()] * len(rec.ops)
     for i in range(len(rec.ops) - 1, -1, -1):
         op = rec.ops[i]
         written = {*op.creates, *op.writes}
         if op.rng or not live.isdisjoint(written):
             needed[i] = True
-            dead[i] = frozenset(written - live) if not written <= live else none
+            dead[i] = tuple(written - live)
             live.difference_update(op.creates, op.overwrites)
             live.update(op.reads)
     return needed, dead
@@ -90,12 +89,11 @@ def replay(
         for i, flag in enumerate(needed):
             if not flag:
                 ops[i] = None
-    touching: dict[int, list[int]] = {}  # storage -> the needed ops that touch it, in order
-    for i, op in enumerate(rec.ops):
+    last: dict[int, int] = {}  # storage -> the last needed op that touches it
+    for i, op in enumerate(ops):
         if needed[i]:
             for sid in _sids(op):
-                touching.setdefault(sid, []).append(i)
-    last = {sid: ops[-1] for sid, ops in touching.items()}
+                last[sid] = i
     torch.set_rng_state(rec.rng_state)
     for generator, state in rec.generators.values():
         generator.set_state(state)
@@ -114,7 +112,7 @@ def replay(
             return device
         return value
 
-    sliced, root = _windows(rec, touching, last, targets, windows or {})
+    sliced, root = _windows(rec, needed, last, targets, windows or {})
     win: dict[int, torch.Tensor] = {}
 
     def window_of(sid: int, dtype: torch.dtype) -> torch.Tensor:
@@ -224,7 +222,7 @@ def _kind(rec: Recording, op: Any, sid: int) -> str | None:
 
 def _windows(
     rec: Recording,
-    touching: dict[int, list[int]],
+    needed: list[bool],
     last: dict[int, int],
     targets: set[int],
     asked: dict[int, tuple[int, int]],
@@ -235,6 +233,7 @@ def _windows(
     move overwrites its destination whole)."""
     out: dict[int, tuple[int, int]] = {}
     roots: dict[int, int] = {}
+    touching = _touching(rec, needed, last, targets, set(asked))
     for target, span in asked.items():
         chain: dict[int, tuple[int, int]] = {}
         todo, ok = [target], True
@@ -255,6 +254,25 @@ def _windows(
             out.update(chain)
             roots.update({sid: target for sid in chain})
     return out, roots
+
+
+def _touching(
+    rec: Recording, needed: list[bool], last: dict[int, int], targets: set[int], sids: set[int]
+) -> dict[int, list[int]]:
+    """The needed ops touching each of ``sids`` and of the storages moved into them (and into
+    those), in order: only what :func:`_windows` walks, not every storage of the model."""
+    out: dict[int, list[int]] = {}
+    while sids:
+        found: dict[int, list[int]] = {sid: [] for sid in sids}
+        for i, op in enumerate(rec.ops):
+            if needed[i]:
+                for sid in _sids(op) & sids:
+                    found[sid].append(i)
+        out.update(found)
+        sources = {rec.ops[i].args[1].sid for sid, ops in found.items() for i in ops
+                   if _moves(rec, rec.ops[i], last, targets, i) and rec.ops[i].args[0].sid == sid}  # fmt: skip
+        sids = sources - out.keys()
+    return out
 
 
 def _run_windowed(
@@ -335,10 +353,10 @@ class _Scratch:
         return torch.empty(0, dtype=dtype, device=self.device).set_(self.storage, 0, (n,), (1,))
 
 
-def _draw_into_dead(rec: Recording, op: Any, dead: frozenset[int]) -> bool:
+def _draw_into_dead(rec: Recording, op: Any, dead: tuple[int, ...]) -> bool:
     """Whether ``op`` draws random values over a whole storage that nobody reads afterwards."""
     written = {*op.creates, *op.writes}
-    return len(written) == 1 and written <= dead and _kind(rec, op, next(iter(written))) in ("draw", "draw-made")
+    return len(written) == 1 and written.issubset(dead) and _kind(rec, op, next(iter(written))) in ("draw", "draw-made")
 
 
 def _draw_and_drop(rec: Recording, op: Any, arg: Any, scratch: _Scratch) -> None:
