@@ -106,7 +106,7 @@ class ShardSpec:
         return tuple(self.padded_size(d, ctx) // self.parts(d, ctx) for d in range(len(self.full_shape)))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ZeroSlot:
     """A ZeRO piece's parameter: number ``index`` of the ``count`` parameters the sharded
     optimizer holds, of shape ``shape`` on this rank (a tensor-parallel block's shape)."""
@@ -124,7 +124,7 @@ class ReleasableStorage(Protocol):
     def params_loaded(self) -> None: ...
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Placement:
     """How one parameter is spread over the ranks (see the module docstring)."""
 

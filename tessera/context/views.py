@@ -89,7 +89,7 @@ class View:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class HeldTensor:
     """A tensor a rank holds for a checkpoint: the single-process state-dict ``key`` of the
     parameter or buffer it is (a block or piece of), the ``tensor`` holding its value (for a

@@ -40,7 +40,7 @@ InitFn = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
 Source = str | Path | InitFn
 
 
-@dataclass
+@dataclass(slots=True)
 class Want:
     """One tensor of the deferred model: its key (state-dict key, or module path of a plain
     attribute), where it lives (``owner``'s parameter, buffer or attribute ``attr``), its
