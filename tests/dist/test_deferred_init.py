@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader
 
 import tessera
 from tessera.checkpoint import full_state_dict
+from tessera.models import gpt
 from tessera.testing import use_layout
 from tests.dist.test_tp_models import GLOBAL_BATCH, build, criterion, dataset
 
@@ -27,6 +28,19 @@ CASES = {
 }
 
 
+# the GPT presets at their own sizes (vocabulary 256, 4 and 6 layers): "gpt" and "vit" are
+# narrower builds of the same classes
+PRESETS = {"gpt-tiny": "tiny", "gpt-small": "small"}
+KINDS = ["gpt", "vit", *PRESETS]
+
+
+def make(kind: str) -> torch.nn.Module:
+    if kind in PRESETS:
+        torch.manual_seed(0)
+        return gpt(PRESETS[kind])
+    return build(kind)
+
+
 def run(kind: str, case: tuple | None, deferred: bool):
     """Train ``STEPS`` steps; the full state right after ``initialize``, the losses, the final
     full state (rank 0's)."""
@@ -39,13 +53,14 @@ def run(kind: str, case: tuple | None, deferred: bool):
     ctx = use_layout(data=data, tensor=tensor, mode=mode, depth=depth, pipeline=pipeline, config=config)
     if deferred:
         with tessera.deferred_init():
-            model = build(kind)
+            model = make(kind)
         assert all(p.is_meta for p in model.parameters())
     else:
-        model = build(kind)
+        model = make(kind)
+    family = "vit" if kind == "vit" else "gpt"
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
-    loader = DataLoader(dataset(kind), batch_size=GLOBAL_BATCH // (ctx.size("data") * m))
-    engine, loader, _, _ = tessera.initialize(model, optimizer, criterion(kind), loader)
+    loader = DataLoader(dataset(family), batch_size=GLOBAL_BATCH // (ctx.size("data") * m))
+    engine, loader, _, _ = tessera.initialize(model, optimizer, criterion(family), loader)
     initial = full_state_dict(engine)
     it = iter(loader)
     losses = [engine.train_batch(it) for _ in range(STEPS)]
@@ -55,10 +70,10 @@ def run(kind: str, case: tuple | None, deferred: bool):
 
 @pytest.fixture(scope="module")
 def references():
-    return {kind: run(kind, None, deferred=False) for kind in ("gpt", "vit")}
+    return {kind: run(kind, None, deferred=False) for kind in KINDS}
 
 
-@pytest.mark.parametrize("kind", ["gpt", "vit"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", list(CASES))
 def test_deferred_model_starts_and_trains_as_single_process(pools, references, kind, name):
     case = CASES[name]
@@ -69,8 +84,12 @@ def test_deferred_model_starts_and_trains_as_single_process(pools, references, k
     for key in ref_initial:
         assert torch.equal(initial[key], ref_initial[key]), f"{name}: {key} is not the single-process initial value"
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    # The final weights: AdamW at lr 3e-3 divides each step by sqrt(v), so an element whose
+    # gradient differs by tensor-parallel reduction-order rounding can move by up to ~1e-5 over
+    # 10 steps on the presets' wider layers (weights of magnitude ~0.1); the losses above hold 1e-5.
+    atol = 5e-5 if kind in PRESETS else 1e-5
     for key in ref_final:
-        torch.testing.assert_close(final[key], ref_final[key], rtol=1e-5, atol=1e-5, msg=key)
+        torch.testing.assert_close(final[key], ref_final[key], rtol=1e-5, atol=atol, msg=key)
 
 
 def test_deferred_single_process_equals_a_normal_build():
