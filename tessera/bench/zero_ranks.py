@@ -3,7 +3,6 @@ them in alternating blocks, or measure one side's peak memory (see :mod:`tessera
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import gc
 from collections.abc import Callable
@@ -14,6 +13,7 @@ import torch
 from tessera.bench.timing import alternate
 from tessera.bench.zero_anchors import build_deepspeed, build_fsdp2, prepare
 from tessera.bench.zero_sides import LossFn, Side, StepFn, Workload, batches_of, build_tessera
+from tessera.memory import report
 
 
 def build_side(side: Side, w: Workload) -> tuple[StepFn, LossFn, str]:
@@ -55,13 +55,9 @@ def timing_body(sides: list[Side], w: Workload, blocks: int, steps: int) -> dict
 
 
 def trim_heap() -> None:
-    """Collect garbage and hand freed heap memory back to the system (glibc's ``malloc_trim``),
-    so that the resident size counts what is alive, not what the allocator keeps in reserve."""
+    """Collect garbage, then hand freed heap memory back to the system (``memory.report``)."""
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: the reading keeps the allocator's reserve
-        pass
+    report.trim_heap()
 
 
 def memory_body(side: Side, w: Workload, steps: int) -> dict[str, int] | None:

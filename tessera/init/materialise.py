@@ -32,8 +32,9 @@ from tessera.checkpoint.format import CheckpointError, dtype_of, index_entry, re
 from tessera.checkpoint.placing import fill
 from tessera.context.views import View, whole_view
 from tessera.init.recording import DeferredInitError, Recording, Ref, forget
-from tessera.init.replay import replay, trim_heap
+from tessera.init.replay import replay
 from tessera.memory.deferred import allocate_module, module_tensors
+from tessera.memory.report import trim_heap
 from tessera.parallel.strategy import view_of
 
 InitFn = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]

@@ -12,7 +12,6 @@ model's own init), the GPT's and ViT's included.
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -20,6 +19,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from tessera.init.recording import Recording, Ref
+from tessera.memory.report import trim_heap
 
 
 def needed_ops(rec: Recording, targets: set[int]) -> tuple[list[bool], list[tuple[int, ...]]]:
@@ -370,25 +370,7 @@ def _draw_and_drop(rec: Recording, op: Any, arg: Any, scratch: _Scratch) -> None
         _draw(op, kind, scratch.take(b - a, ref.dtype), rest, kwargs)
 
 
-_TRIM_AT = 1 << 20
-
-
-def trim_heap() -> None:
-    """Hand freed heap memory back to the system (glibc's ``malloc_trim``; nothing elsewhere).
-    glibc keeps freed blocks of a few MB in its heap and does not always reuse them for the
-    next block of the same size (alignment), so without this each full tensor drawn and freed
-    would stay resident and the replay's footprint would grow to several full tensors."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim: Any = None
+_TRIM_AT = 1 << 20  # bytes of storage freed before the heap is trimmed
 
 
 def _created(op: Any, out: Any) -> dict[int, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -78,3 +79,22 @@ def reset_peak_rss() -> bool:
     except OSError:
         return False
     return True
+
+
+def trim_heap() -> None:
+    """Hand freed heap memory back to the system (glibc's ``malloc_trim``; nothing elsewhere),
+    so that the resident size counts what is alive, not what the allocator keeps in reserve.
+    glibc keeps freed blocks of a few MB in its heap and does not always reuse them for the
+    next block of the same size (alignment): a replay drawing and freeing full tensors one after
+    another would otherwise stay resident at several of them."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None

@@ -36,7 +36,7 @@ class ReleaseOnUse:
         self._cursor = 0  # position in _calls of the module running now (+1)
         self._recording = True
         self._backward_queued = False
-        self._model: nn.Module | None = model  # until the hooks are installed
+        self._installed = False  # the per-module hooks go on when the first pass begins
         model.register_forward_pre_hook(self._begin_pass)
         for chunk in self.store.chunks:
             chunk.release()
@@ -65,10 +65,10 @@ class ReleaseOnUse:
 
     # ---- forward -----------------------------------------------------------------------------
     def _begin_pass(self, module: nn.Module, args: Any) -> None:
-        first = self._model is not None
+        first = not self._installed
         if first:
             self._install(module)
-            self._model = None
+            self._installed = True
         self._left = dict(self._users)
         self._cursor = 0
         if first and (own := self._chunks_of(module)):  # its own hook was added in this call: runs from the next
