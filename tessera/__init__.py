@@ -21,10 +21,12 @@ _EXPORTS: dict[str, str] = {
     "get_context": "tessera.context",
     "Engine": "tessera.engine",
     "Trainer": "tessera.engine",
+    "BudgetError": "tessera.errors",
     "CommError": "tessera.errors",
     "CommTimeoutError": "tessera.errors",
     "ConfigError": "tessera.errors",
     "NotAvailableError": "tessera.errors",
+    "OffloadError": "tessera.errors",
     "TesseraError": "tessera.errors",
     "launch": "tessera.launcher",
     "launch_from_openmpi": "tessera.launcher",
@@ -40,7 +42,15 @@ if TYPE_CHECKING:
     from tessera.config import Config, load_config
     from tessera.context import ParallelContext, ParallelDims, get_context
     from tessera.engine import Engine, Trainer
-    from tessera.errors import CommError, CommTimeoutError, ConfigError, NotAvailableError, TesseraError
+    from tessera.errors import (
+        BudgetError,
+        CommError,
+        CommTimeoutError,
+        ConfigError,
+        NotAvailableError,
+        OffloadError,
+        TesseraError,
+    )
     from tessera.init import deferred_init
     from tessera.launcher import launch, launch_from_openmpi, launch_from_slurm, launch_from_torch, shutdown
     from tessera.session import current_config, initialize
@@ -60,6 +70,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "BudgetError",
     "CommError",
     "CommTimeoutError",
     "Config",
@@ -67,6 +78,7 @@ __all__ = [
     "Trainer",
     "ConfigError",
     "NotAvailableError",
+    "OffloadError",
     "ParallelContext",
     "ParallelDims",
     "TesseraError",

@@ -31,3 +31,11 @@ class CommError(TesseraError, RuntimeError):
 
 class CommTimeoutError(CommError, TimeoutError):
     """A collective did not complete within the watchdog timeout."""
+
+
+class BudgetError(TesseraError, ValueError):
+    """A memory budget cannot hold what training needs; the message names the smallest that would."""
+
+
+class OffloadError(TesseraError, OSError):
+    """The offload folder of the disk tier cannot be used (missing, read-only, full)."""

@@ -340,7 +340,6 @@ def parallel_dims(config: Config, world_size: int) -> ParallelDims:
 # (key, is it in use?, what it is). Each strategy's issue removes its line when it lands.
 _NOT_BUILT: list[tuple[str, Callable[[Config], bool], str]] = [
     ("parallel.sequence.size", lambda c: c.parallel.sequence.size > 1, "sequence parallelism"),
-    ("gemini.enabled", lambda c: c.gemini.enabled, "the Gemini memory manager"),
 ]
 
 

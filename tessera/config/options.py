@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
-from tessera.config.schema import Config
+from tessera.config.schema import Config, parse_bytes
 from tessera.engine.options import LossScaleOptions, TrainingOptions
+from tessera.gemini.options import GeminiOptions
 from tessera.parallel.pipeline.stage import PipelineOptions
 from tessera.zero.policy import ZeroOptions, ZeroPolicy
 
@@ -35,6 +36,21 @@ def training_options(config: Config) -> TrainingOptions:
         if z.stage > 0
         else None
     )
+    g = config.gemini
+    gemini = (
+        GeminiOptions(
+            placement=g.placement,
+            device_budget=parse_bytes(g.device_budget, "gemini.device_budget"),
+            host_budget=parse_bytes(g.host_budget, "gemini.host_budget"),
+            offload_dir=g.offload_dir,
+            chunk_mb=g.chunk_mb,
+            params_offload=g.params_offload,
+            optimizer_offload=g.optimizer_offload,
+            precision=mp.dtype,
+        )
+        if g.active
+        else None
+    )
     pp = config.parallel.pipeline
     pipeline = PipelineOptions(
         schedule=pp.schedule,
@@ -49,6 +65,7 @@ def training_options(config: Config) -> TrainingOptions:
         gradient_accumulation=config.gradient_accumulation,
         clip_grad_norm=config.clip_grad_norm,
         zero=zero,
+        gemini=gemini,
         pipeline=pipeline,
         seed=config.seed,
     )

@@ -3,7 +3,7 @@ documentation, and a ``validate`` method for the rules between fields."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from tessera.context.dims import check_tensor_layout
@@ -127,21 +127,67 @@ class ZeroConfig:
             raise ConfigError(f"{path}offload_optimizer={self.offload_optimizer!r} needs stage >= 1")
 
 
+_BYTE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+
+
+def parse_bytes(value: int | float | str | None, key: str) -> int | None:
+    """A size in bytes from an int or a string such as ``"2GiB"``, ``"512 MiB"``, ``"1.5GB"``."""
+    if value is None:
+        return None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        number, unit = float(value), ""
+    else:
+        text = str(value).strip().upper().replace(" ", "")
+        digits = text.rstrip("KMGTIB")
+        number_text, unit = digits, text[len(digits) :]
+        try:
+            number = float(number_text)
+        except ValueError:
+            number, unit = -1.0, "?"
+    if unit not in _BYTE_UNITS or number <= 0:
+        raise ConfigError(f"{key}={value!r} is not a size: give bytes (an int) or e.g. '2GiB', '512MiB', '1.5GB'")
+    return int(number * _BYTE_UNITS[unit])
+
+
 @dataclass(frozen=True)
 class GeminiConfig:
-    enabled: bool = _field(False, "Manage model state in chunks placed on device, host memory or disk.")
-    placement: Literal["static", "auto"] = _field(
-        "auto", "static: fixed device share; auto: driven by the memory tracer."
+    enabled: bool | None = _field(
+        None,
+        "Manage model state in chunks placed on device, host memory or disk (ZeRO-3 over the data axis); "
+        "None: on when any other gemini key is set.",
     )
-    chunk_mb: float = _field(32.0, "Chunk size in MiB.")
-    device_fraction: float = _field(1.0, "static placement: share of chunks kept on the device.")
-    disk_dir: str | None = _field(None, "Folder for chunks spilled to disk; None keeps everything in memory.")
+    placement: Literal["static", "auto"] = _field(
+        "auto",
+        "static: fixed shares of chunks off the device (params_offload, optimizer_offload); auto: placed and "
+        "evicted from the warm-up trace (the part needed furthest ahead leaves first).",
+    )
+    device_budget: int | str | None = _field(
+        None, "Device bytes for model state (and, with auto, activations), e.g. '2GiB'; None: unbounded."
+    )
+    host_budget: int | str | None = _field(None, "Host-memory bytes for model state, e.g. '8GiB'; None: unbounded.")
+    offload_dir: str | None = _field(None, "Folder of the disk tier; None: no disk tier.")
+    chunk_mb: float | None = _field(None, "Chunk capacity in MiB; None: searched for the least waste.")
+    params_offload: float = _field(0.0, "static: share of parameter chunks kept off the device.")
+    optimizer_offload: float = _field(
+        0.0, "static: share of optimizer chunks (fp32 masters, states, gradients) kept off the device."
+    )
+
+    @property
+    def active(self) -> bool:
+        """Whether the run uses Gemini: ``enabled``, or, when it is None, any other key set."""
+        if self.enabled is not None:
+            return self.enabled
+        return any(getattr(self, f.name) != f.default for f in fields(self) if f.name != "enabled")
 
     def validate(self, path: str) -> None:
-        if self.chunk_mb <= 0:
+        if self.chunk_mb is not None and self.chunk_mb <= 0:
             raise ConfigError(f"{path}chunk_mb={self.chunk_mb} must be positive")
-        if not 0.0 <= self.device_fraction <= 1.0:
-            raise ConfigError(f"{path}device_fraction={self.device_fraction} must be within [0, 1]")
+        for key in ("params_offload", "optimizer_offload"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ConfigError(f"{path}{key}={getattr(self, key)} must be within [0, 1]")
+        parse_bytes(self.device_budget, f"{path}device_budget")
+        parse_bytes(self.host_budget, f"{path}host_budget")
 
 
 @dataclass(frozen=True)
@@ -308,6 +354,22 @@ class Config:
             raise ConfigError(f"gradient_accumulation={self.gradient_accumulation} must be at least 1")
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise ConfigError(f"clip_grad_norm={self.clip_grad_norm} must be positive (or None)")
+        if self.gemini.active:
+            if self.zero.stage > 0:
+                raise ConfigError(
+                    f"gemini with zero.stage={self.zero.stage}: Gemini is ZeRO-3 over the data axis with chunks placed "
+                    "on device, host and disk; set zero.stage=0 (or turn gemini off)"
+                )
+            if self.parallel.pipeline.size > 1:
+                raise ConfigError(
+                    f"gemini with parallel.pipeline.size={self.parallel.pipeline.size}: Gemini does not run pipeline "
+                    "stages; use data and 1d tensor parallelism with it"
+                )
+            if self.parallel.tensor.size > 1 and self.parallel.tensor.mode != "1d":
+                raise ConfigError(
+                    f"gemini with parallel.tensor.mode={self.parallel.tensor.mode!r}: Gemini works with 1d tensor "
+                    "parallelism; use mode='1d' or tensor.size=1"
+                )
         if self.zero.stage >= 2 and self.parallel.pipeline.size > 1:
             raise ConfigError(
                 f"zero.stage={self.zero.stage} with parallel.pipeline.size={self.parallel.pipeline.size}: stages 2 "

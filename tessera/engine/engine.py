@@ -19,7 +19,7 @@ from tessera.amp import LossScaler, autocast
 from tessera.context import ParallelContext
 from tessera.engine.options import LossScaleOptions, TrainingOptions
 from tessera.errors import TesseraError
-from tessera.optim import clip_grad_norm_
+from tessera.optim.clip import clip_coefficient
 from tessera.parallel.strategy import Strategy
 
 
@@ -162,11 +162,8 @@ class Engine:
         """Unscale and check overflow (fp16), clip, and step the optimizer; counts the step."""
         self.global_step += 1
         self.strategy.reduce_gradients()  # gradients now as single-process training has them
-        params = self.strategy.gradient_tensors()
         if self.scaler is not None:
-            grads = [p.grad for p in params if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+            self.strategy.scale_gradients(1.0 / self.scaler.scale)
             overflow = self._overflow_anywhere()
             self.scaler.update(overflow)
             if overflow:
@@ -175,7 +172,8 @@ class Engine:
                 return False
         if self.clip_grad_norm is not None:
             norm = self.strategy.grad_norm()
-            self.last_grad_norm = float(clip_grad_norm_(params, self.clip_grad_norm, self.ctx, norm=norm))
+            self.strategy.scale_gradients(clip_coefficient(norm, self.clip_grad_norm))
+            self.last_grad_norm = float(norm)
         self.strategy.step()
         self.last_step_skipped = False
         return True

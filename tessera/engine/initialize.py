@@ -21,6 +21,7 @@ from tessera.context.placement import placement_of
 from tessera.engine.engine import Engine
 from tessera.engine.options import TrainingOptions
 from tessera.errors import ConfigError, NotAvailableError
+from tessera.gemini import Gemini
 from tessera.init.materialise import Source, capture, check_recording, loadable, materialise
 from tessera.init.recording import recording_of
 from tessera.memory.deferred import to_device
@@ -94,7 +95,7 @@ def choose_strategy(
     options: TrainingOptions,
 ) -> Strategy:
     """The one place that maps a layout to a strategy: pipeline stages (with a replicated or a
-    ZeRO-1 optimizer), ZeRO with its stage's policy, or DDP."""
+    ZeRO-1 optimizer), Gemini, ZeRO with its stage's policy, or DDP."""
     check_model_fits_layout(model, ctx)
     if ctx.size("pipeline") > 1:
         stage = _pipeline_stage(model, criterion, ctx, options)  # cut before ZeRO packs the chunks
@@ -104,6 +105,8 @@ def choose_strategy(
             else AverageAtStep(model, optimizer, ctx)
         )
         return PipelineParallel(stage, gradients)
+    if options.gemini is not None:
+        return Gemini(model, optimizer, ctx, options.gemini)  # ZeRO-3 over tiers: reduces gradients itself
     if options.zero is not None:
         return Zero(model, optimizer, ctx, options.zero)  # reduces gradients itself: no DDP
     return DataParallel(model, optimizer, ctx)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tessera.gemini.options import GeminiOptions
 from tessera.parallel.pipeline.stage import PipelineOptions
 from tessera.zero.policy import ZeroOptions
 
@@ -28,6 +29,7 @@ class TrainingOptions:
     ``precision``: compute dtype (``"fp32"``, ``"bf16"``, ``"fp16"``); ``loss_scale``: fp16 only;
     ``gradient_accumulation``: micro-steps per optimizer step; ``clip_grad_norm``: the global
     norm bound (None: no clipping); ``zero``: the sharded optimizer's settings (None: ZeRO off);
+    ``gemini``: the chunk memory manager's settings (None: Gemini off);
     ``pipeline``: how to cut and run pipeline stages (used when the layout has them); ``seed``:
     the data loaders' shuffling seed.
     """
@@ -37,6 +39,7 @@ class TrainingOptions:
     gradient_accumulation: int = 1
     clip_grad_norm: float | None = None
     zero: ZeroOptions | None = None
+    gemini: GeminiOptions | None = None
     pipeline: PipelineOptions = PipelineOptions()
     seed: int = 42
 

@@ -75,13 +75,14 @@ class Chunk:
         group: AxisGroup,
         keep_full: bool,
         index: int = 0,
+        capacity: int = 0,
     ) -> None:
         self.slots = slots
         self.index = index
         self.group = group
         self.keep_full = keep_full
         self.numel = sum(s.numel for s in slots)
-        self.shard_numel = max(1, math.ceil(self.numel / group.size))
+        self.shard_numel = max(1, math.ceil(max(self.numel, capacity) / group.size))
         self.padded_numel = self.shard_numel * group.size
         # A sharded chunk's full buffer starts unwritten (torch.empty touches no pages) and is
         # released right after packing: packing never holds a whole chunk's payload.
@@ -194,14 +195,19 @@ class ChunkStore:
         bins: Sequence[int] | None = None,
         on_close: Callable[[Chunk], None] | None = None,
         device: torch.device | None = None,
+        chunk_type: type[Chunk] = Chunk,
+        fixed_size: bool = False,
     ) -> None:
         """``named``: the tensors to pack; ``dtype``: the chunks' dtype (default: each tensor's);
         ``bins``: a label per tensor (a parameter group, a block of the model); tensors of
         different labels never share a chunk; ``on_close(chunk)``: called as soon as each
         chunk is filled (to re-point its tensors and release it before the next is built, so
         that packing a model never holds all of it twice); ``device``: the chunks' device
-        (default: each first tensor's). Tensors on the meta device (a deferred model) are
-        not copied: their values are written into the chunks later."""
+        (default: each first tensor's); ``chunk_type``: the class of the chunks (a subclass of
+        :class:`Chunk`); ``fixed_size``: every chunk holds ``chunk_numel`` elements however
+        many its tensors fill (buffers of one size that take turns in the same memory). Tensors
+        on the meta device (a deferred model) are not copied: their values are written into the
+        chunks later."""
         if chunk_numel < 1:
             raise ValueError(f"chunk_numel={chunk_numel} must be at least 1")
         self.group = group
@@ -218,7 +224,10 @@ class ChunkStore:
                 slots.append(Slot(name, index, tensor.shape, offset, tensor.numel()))
                 offset += tensor.numel()
             first = pending[0][2]
-            chunk = Chunk(slots, dtype or first.dtype, device or first.device, group, keep_full, index=len(self.chunks))
+            chunk = chunk_type(
+                slots, dtype or first.dtype, device or first.device, group, keep_full, index=len(self.chunks),
+                capacity=chunk_numel if fixed_size else 0,
+            )  # fmt: skip
             with torch.no_grad():
                 if keep_full:
                     for (_, _, tensor), slot in zip(pending, slots):

@@ -25,8 +25,14 @@ def clip_grad_norm_(
     params = list(params)
     if norm is None:
         norm = global_grad_norm(params, ctx)
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    coef = clip_coefficient(norm, max_norm)
     grads = [p.grad for p in params if p.grad is not None]
     if grads:
         torch._foreach_mul_(grads, coef.to(grads[0].device))
     return norm
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor that clipping multiplies gradients of global norm ``norm`` by:
+    ``min(1, max_norm / (norm + 1e-6))`` (``torch.nn.utils.clip_grad_norm_``'s arithmetic)."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)

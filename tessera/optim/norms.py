@@ -203,16 +203,27 @@ def global_grad_norm(
         if pieces:
             index = [placement_of(p).zero.index for p in pieces]  # type: ignore[union-attr]
             per_slot.index_add_(0, torch.tensor(index, device=device), _squares([p.grad for p in pieces]).to(device))  # type: ignore[misc]
-        comm.all_reduce(per_slot, ctx.group("data"))
-        stage = ctx.local_rank("pipeline")
-        members: dict[tuple[str, ...], list[int]] = defaultdict(list)
-        for i, placement in enumerate(zero_slots):
-            if placement.counted_on(stage):
-                members[placement.split_axes].append(i)
-        parts = {axes: per_slot[index].sum() for axes, index in members.items()}
+        return norm_from_slot_squares(per_slot, zero_slots, ctx)
     if ctx is None:
         total = torch.zeros((), dtype=torch.float32, device=device)
         for _, part in sorted(parts.items()):
             total = total + part
         return total.sqrt()
     return _stage_sum(parts, ctx, device).sqrt()
+
+
+def norm_from_slot_squares(
+    per_slot: torch.Tensor, zero_slots: Sequence[Placement], ctx: ParallelContext
+) -> torch.Tensor:
+    """The whole model's 2-norm from this data rank's squared norms of its pieces, summed per
+    parameter slot (``per_slot[i]``: parameter ``i``, placed by ``zero_slots[i]``; the same
+    slots on every data rank). Collective over every axis of ``ctx``; ``per_slot`` is not changed."""
+    per_slot = per_slot.clone()
+    comm.all_reduce(per_slot, ctx.group("data"))
+    stage = ctx.local_rank("pipeline")
+    members: dict[tuple[str, ...], list[int]] = defaultdict(list)
+    for i, placement in enumerate(zero_slots):
+        if placement.counted_on(stage):
+            members[placement.split_axes].append(i)
+    parts = {axes: per_slot[index].sum() for axes, index in members.items()}
+    return _stage_sum(parts, ctx, per_slot.device).sqrt()

@@ -12,8 +12,9 @@ A training step, as the engine drives it::
     for each micro-batch:                   # or strategy.run_schedule(batches, criterion)
         loss = criterion(strategy.forward(x, final=...), y); loss.backward()
     strategy.reduce_gradients()             # gradients now as single-process training has them
-    grads of strategy.gradient_tensors()    # unscaled (fp16) and clipped by the engine
+    strategy.scale_gradients(1 / scale)     # fp16: unscaled
     strategy.grad_norm()                    # the whole model's gradient norm
+    strategy.scale_gradients(coefficient)   # clipped
     strategy.step()
 """
 
@@ -76,6 +77,14 @@ class Strategy:
     def grad_norm(self) -> torch.Tensor:
         """The 2-norm of the whole model's gradient, each parameter counted once (collective)."""
         return global_grad_norm(self.gradient_tensors(), self.ctx)
+
+    def scale_gradients(self, factor: torch.Tensor | float) -> None:
+        """Multiply every gradient the step will read by ``factor`` (fp16 unscaling, clipping)."""
+        grads = [p.grad for p in self.gradient_tensors() if p.grad is not None]
+        if grads:
+            if isinstance(factor, torch.Tensor):
+                factor = factor.to(grads[0].device)
+            torch._foreach_mul_(grads, factor)
 
     def step(self) -> None:
         self.optimizer.step()

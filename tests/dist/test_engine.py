@@ -209,9 +209,9 @@ def test_a_non_finite_fp32_loss_names_the_step():
 
 
 def test_config_errors_reach_initialize():
-    use_layout(config={"gemini": {"enabled": True}})
+    use_layout(config={"gemini": {"enabled": True, "device_budget": 1}})
     model = make_model()
-    with pytest.raises(tessera.NotAvailableError, match="gemini.enabled"):
+    with pytest.raises(tessera.BudgetError, match="gemini.device_budget"):
         tessera.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(ConfigError, match="parallel.tensor.size=3"):
         use_layout(config={"parallel": {"tensor": {"size": 3, "mode": "2d"}}})

@@ -200,8 +200,9 @@ def test_more_pipeline_parts_than_model_layers_fail_at_config_time():
 def test_features_not_built_yet_fail_clearly_when_used():
     require_available(load_config({}))
     require_available(load_config({"zero": {"stage": 2}}))  # built: accepted
-    with pytest.raises(NotAvailableError, match=r"gemini\.enabled: the Gemini memory manager is not available yet"):
-        require_available(load_config({"gemini": {"enabled": True}}))
+    require_available(load_config({"gemini": {"device_budget": "1GiB"}}))  # built: accepted
+    with pytest.raises(NotAvailableError, match=r"parallel\.sequence\.size: sequence parallelism is not available yet"):
+        require_available(load_config({"parallel": {"sequence": {"size": 2}}}))
 
 
 def test_docs_reference_matches_the_code():

@@ -1,0 +1,87 @@
+"""A chunk whose shard is a managed part: gathering it first brings the shard to the device
+(from host memory or disk), and the gathered buffer is counted in the device tier."""
+
+from __future__ import annotations
+
+import torch
+
+from tessera.memory.chunks import Chunk, ChunkState, IllegalTransition
+from tessera.memory.manager import ChunkMemory
+from tessera.memory.tiers import BudgetError, Part, Tier
+
+_NOTHING = torch.empty(0)
+
+
+class TieredChunk(Chunk):
+    """A :class:`~tessera.memory.chunks.Chunk` of the Gemini store. Until :meth:`manage` is
+    called it behaves as a plain chunk (the store fills it); after, its shard is ``part``, held
+    on the device only while a gather uses it, and its full buffer is counted in the device
+    tier while gathered. A prefetching gather (``async_op``) that finds no room is skipped: the
+    chunk is gathered when it is needed."""
+
+    memory: ChunkMemory | None = None
+    part: Part | None = None
+    _counted = False
+
+    def manage(self, memory: ChunkMemory, part: Part) -> None:
+        if self.state is not ChunkState.SHARDED:
+            raise IllegalTransition(f"chunk {self.index}: managed while {self.state.value}")
+        self.memory, self.part = memory, part
+        self.shard = _NOTHING
+
+    @property
+    def full_bytes(self) -> int:
+        return self.padded_numel * self.full.element_size()
+
+    def gather(self, async_op: bool = False) -> None:
+        memory, part = self.memory, self.part
+        if memory is None or part is None or self.state is not ChunkState.SHARDED:
+            super().gather(async_op)
+            return
+        try:
+            memory.reserve(Tier.DEVICE, self.full_bytes, "gathered", f"chunk{self.index} gathered")
+        except BudgetError:
+            if async_op:
+                return  # a prefetch: gathered when needed
+            raise
+        self._counted = True
+        self.shard = memory.need(part, Tier.DEVICE)
+        super().gather(async_op=True)
+        if not async_op:
+            self.wait()
+
+    def wait(self) -> None:
+        was_gathering = self.state is ChunkState.GATHERING
+        super().wait()
+        if was_gathering and self.memory is not None and self.part is not None:
+            self.memory.done(self.part)
+            self.shard = _NOTHING
+
+    def release(self) -> None:
+        was_held = self.state is not ChunkState.SHARDED and not self.keep_full
+        super().release()
+        if was_held and self._counted and self.memory is not None:
+            self._counted = False
+            self.memory.unreserve(Tier.DEVICE, self.full_bytes, "gathered", f"chunk{self.index} released")
+
+    def scatter_from_full(self) -> None:
+        """New values were written into the gathered buffer: this member's part takes them."""
+        memory, part = self.memory, self.part
+        if memory is None or part is None:
+            super().scatter_from_full()
+            return
+        if self.state is not ChunkState.GATHERED:
+            raise IllegalTransition(f"chunk {self.index}: cannot take a shard while {self.state.value}")
+        lo, hi = self.shard_range
+        shard = memory.need(part, Tier.DEVICE, fill=False)
+        shard.copy_(self.full[lo:hi])
+        memory.dirty(part)
+        memory.done(part)
+
+    def held_bytes(self) -> int:
+        full = self.full.untyped_storage().nbytes()
+        part = self.part
+        return full + (part.nbytes if part is not None and part.tensor is not None else 0)
+
+
+__all__ = ["TieredChunk"]

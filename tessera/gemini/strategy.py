@@ -1,0 +1,116 @@
+"""Gemini as a training strategy: ZeRO-3 over the data axis whose chunks live on the device,
+in host memory or on disk (see :mod:`tessera.gemini.optimizer`).
+
+The first optimizer step is the warm-up: the memory tracer records the saved activations of
+its passes and the order in which they use the chunks. From then on the manager reads chunks
+on disk ahead of their use in that order, and the ``auto`` policy evicts the part needed
+furthest in the future and keeps device room for the traced activations.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tessera.context import ParallelContext
+from tessera.context.views import HeldTensor
+from tessera.errors import NotAvailableError
+from tessera.gemini.optimizer import GeminiOptimizer
+from tessera.gemini.options import GeminiOptions
+from tessera.memory.placement import AutoPolicy
+from tessera.memory.tiers import BudgetError, Tier
+from tessera.memory.tracer import MemoryTracer, Trace
+from tessera.parallel.strategy import Strategy
+
+
+class Gemini(Strategy):
+    """``optimizer`` over chunks of ``module``'s parameters placed over the tiers per ``options``."""
+
+    def __init__(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext, options: GeminiOptions
+    ) -> None:
+        self.module = self.model = module
+        self.ctx = ctx
+        self.sharded = GeminiOptimizer(module, optimizer, ctx, options)
+        self.optimizer = self.sharded
+        self.memory = self.sharded.memory
+        self.name = f"gemini({options.placement})"
+        self.tracer = MemoryTracer(module, ctx.device, self._is_model, self._model_device_bytes)
+        self.trace: Trace | None = None
+        self.memory.start_trace()
+
+    def _is_model(self, tensor: torch.Tensor) -> bool:
+        ptr = tensor.untyped_storage().data_ptr()
+        return any(ptr == c.full.untyped_storage().data_ptr() for c in self.sharded.chunks) or isinstance(
+            tensor, nn.Parameter
+        )
+
+    def _model_device_bytes(self) -> int:
+        return self.sharded.ledger.held[Tier.DEVICE]
+
+    # ---- forward and backward ----------------------------------------------------------------
+    def forward(self, *args: Any, final: bool = True, **kwargs: Any) -> Any:
+        self.sharded.set_final(final)
+        if self.trace is None and torch.is_grad_enabled():
+            with self.tracer.tracing():
+                return self.model(*args, **kwargs)
+        return self.model(*args, **kwargs)
+
+    # ---- gradients and the step --------------------------------------------------------------
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        return []  # gradients live in the chunks' parts: scaled through scale_gradients
+
+    def scale_gradients(self, factor: torch.Tensor | float) -> None:
+        self.sharded.scale_gradients(factor)
+
+    def grad_norm(self) -> torch.Tensor:
+        return self.sharded.grad_norm()
+
+    def step(self) -> None:
+        self.sharded.step()
+        if self.trace is None:
+            self._end_warm_up()
+
+    def zero_grad(self) -> None:
+        self.sharded.zero_grad()
+
+    def _end_warm_up(self) -> None:
+        """The warm-up step is over: keep its trace; the auto policy keeps device room for the
+        traced activations from now on."""
+        self.trace = self.tracer.finish(self.memory.stop_trace())
+        if isinstance(self.sharded.policy, AutoPolicy):
+            need = self.trace.activation_bytes
+            try:
+                self.memory.reserve(Tier.DEVICE, need, "activations", "traced activations")
+            except BudgetError as error:
+                budget = self.sharded.ledger.budget[Tier.DEVICE]
+                raise BudgetError(
+                    f"gemini.device_budget={budget} bytes cannot hold the traced activations ({need} bytes) next to "
+                    f"one chunk's working set: give gemini.device_budget >= {self.sharded.policy.reserve + need} bytes "
+                    "or use smaller micro-batches"
+                ) from error
+
+    # ---- memory and state --------------------------------------------------------------------
+    def memory_parts(self) -> dict[str, list[torch.Tensor]]:
+        return self.sharded.memory_parts()
+
+    def full_precision_weights(self) -> list[tuple[nn.Parameter, torch.Tensor]] | None:
+        return self.sharded.full_precision_weights()
+
+    def report(self) -> dict[str, Any]:
+        """Chunks, utilisation, tier bytes and the traced activations."""
+        out = self.sharded.report()
+        out["activation_bytes"] = self.trace.activation_bytes if self.trace is not None else None
+        return out
+
+    def checkpoint_tensors(self) -> list[HeldTensor]:
+        raise NotAvailableError("sharded checkpoints of Gemini-managed models are not available yet")
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotAvailableError("sharded checkpoints of Gemini-managed models are not available yet")
+
+    def close(self) -> None:
+        """Wait for disk transfers and remove this rank's offload files."""
+        self.sharded.close()

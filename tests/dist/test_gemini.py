@@ -1,0 +1,148 @@
+"""Gemini reproduces single-process training while its chunks move through the device, host and
+disk tiers under both policies, on 1 and 2 ranks; the ledger never exceeds a budget; a budget
+that cannot hold one chunk and a layer's working set fails at start, naming the smallest."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import tessera
+from tessera.checkpoint import full_state_dict
+from tessera.memory.tiers import Tier
+from tessera.models import NextTokenLoss, gpt
+from tessera.testing import use_layout
+
+STEPS = 10
+GLOBAL_BATCH = 8
+SEQ = 16
+CHUNK_MB = 0.02  # ~5k fp32 elements a chunk: the GPT spreads over 7 chunks
+
+
+def build() -> nn.Module:
+    torch.manual_seed(0)
+    return gpt("tiny", vocab_size=64, max_seq_len=SEQ, d_model=32, n_layers=2, n_heads=4)
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, 64, (GLOBAL_BATCH * STEPS, SEQ + 1), generator=g)
+    return TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+def reference(clip: float | None):
+    model = build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
+    x, y = dataset().tensors
+    losses = []
+    for step in range(STEPS):
+        sl = slice(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
+        optimizer.zero_grad()
+        loss = NextTokenLoss()(model(x[sl]), y[sl])
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, full_state_dict(model)
+
+
+def train(gemini: dict, accumulation: int, clip: float | None, dtype: str = "fp32"):
+    """Train under Gemini; returns losses, the full state (rank 0), the ledger's samples and
+    budgets, and the tiers that held bytes at some point."""
+    with tempfile.TemporaryDirectory() as offload:
+        config = {
+            "gemini": {"offload_dir": offload, "chunk_mb": CHUNK_MB, **gemini},
+            "gradient_accumulation": accumulation,
+            "clip_grad_norm": clip,
+            "mixed_precision": {"dtype": dtype},
+        }
+        ctx = use_layout(config=config)
+        model = build()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
+        micro = GLOBAL_BATCH // (ctx.size("data") * accumulation)
+        engine, loader, _, _ = tessera.initialize(model, optimizer, NextTokenLoss(), DataLoader(dataset(), micro))
+        ledger = engine.strategy.sharded.ledger
+        ledger.samples = []  # from the first step on (placement at start is checked by the budgets too)
+        it = iter(loader)
+        losses = [engine.train_batch(it) for _ in range(STEPS)]
+        samples = [(s.device, s.host, s.disk) for s in ledger.samples]
+        budgets = (ledger.budget[Tier.DEVICE], ledger.budget[Tier.HOST])
+        state = full_state_dict(engine)
+        report = engine.strategy.report()
+        engine.strategy.close()
+    return losses, state if ctx.rank == 0 else None, samples, budgets, report
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {None: reference(None), 0.05: reference(0.05)}
+
+
+# (ranks, gemini settings, accumulation, clip): budgets that send chunks through every tier
+CASES = [
+    (1, {"placement": "static", "params_offload": 0.5, "optimizer_offload": 1.0,
+         "device_budget": 200_000, "host_budget": 120_000}, 2, 0.05),
+    (1, {"placement": "auto", "device_budget": 800_000, "host_budget": 120_000}, 1, None),
+    (2, {"placement": "static", "params_offload": 0.5, "optimizer_offload": 1.0,
+         "device_budget": 150_000, "host_budget": 60_000}, 1, None),
+    (2, {"placement": "auto", "device_budget": 300_000, "host_budget": 60_000}, 2, 0.05),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("ranks,gemini,accumulation,clip", CASES)
+def test_gemini_reproduces_single_process_training_through_every_tier(
+    pools, references, ranks, gemini, accumulation, clip
+):
+    results = pools.run(ranks, train, gemini, accumulation, clip, timeout=600)
+    losses, state, _, _, report = results[0]
+    ref_losses, ref_state = references[clip]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    assert all(r[0] == losses for r in results), "every rank reports the same loss"
+    assert state.keys() == ref_state.keys()
+    for key in ref_state:
+        torch.testing.assert_close(state[key], ref_state[key], rtol=1e-5, atol=1e-6, msg=key)
+    for _, _, samples, (device_budget, host_budget), report in results:
+        assert samples, "the ledger sampled the moves"
+        assert max(s[0] for s in samples) <= device_budget
+        assert max(s[1] for s in samples) <= host_budget
+        # every tier held chunk bytes, and parts really went to disk and came back
+        assert min(max(s[i] for s in samples) for i in range(3)) > 0, report
+        assert report["disk_written_bytes"] > 0 and report["disk_read_bytes"] > 0, report
+        assert report["policy"] == gemini["placement"]
+
+
+def test_gemini_bf16_tracks_single_process(pools, references):
+    gemini = {"placement": "auto", "device_budget": 600_000, "host_budget": 150_000}
+    losses, state, samples, budgets, _ = pools.run(2, train, gemini, 1, 0.05, "bf16", timeout=600)[0]
+    ref_losses, ref_state = references[0.05]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=0)
+    for key in ref_state:  # full_state_dict(engine) gives the fp32 masters
+        torch.testing.assert_close(state[key], ref_state[key], rtol=2e-2, atol=2e-2, msg=key)
+    assert max(s[0] for s in samples) <= budgets[0] and max(s[1] for s in samples) <= budgets[1]
+
+
+def start_with(gemini: dict) -> str:
+    use_layout(config={"gemini": {"chunk_mb": CHUNK_MB, **gemini}})
+    model = build()
+    try:
+        tessera.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    except tessera.BudgetError as error:
+        return str(error)
+    return ""
+
+
+def test_a_budget_too_small_for_one_chunk_fails_at_start_naming_the_smallest(pools):
+    message = pools.run(2, start_with, {"device_budget": 50_000}, timeout=120)[0]
+    assert "gemini.device_budget=0.05 MiB is too small" in message, message
+    smallest = float(message.split("give gemini.device_budget >= ")[1].split(" MiB")[0])
+    # the named budget works: training starts with it
+    works = pools.run(2, start_with, {"device_budget": int(smallest * 2**20) + 1}, timeout=120)[0]
+    assert works == "", works
+    with tempfile.TemporaryDirectory() as offload:
+        message = pools.run(2, start_with, {"host_budget": 1_000, "offload_dir": offload}, timeout=120)[0]
+    assert "gemini.host_budget=0.00 MiB is too small" in message, message
