@@ -44,6 +44,7 @@ from tessera.memory.placement import AutoPolicy, StaticPolicy
 from tessera.memory.search import plan, search_chunk_numel
 from tessera.memory.tiers import BudgetError, Part, Residence, Tier, TierLedger
 from tessera.optim.norms import norm_from_slot_squares
+from tessera.optim.wrapping import WrapsOptimizer
 from tessera.zero.release import ReleaseOnUse
 
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -69,7 +70,7 @@ def state_streams(optimizer: torch.optim.Optimizer) -> list[str]:
     return sorted(k for k, v in twin.state[probe].items() if isinstance(v, torch.Tensor) and v.shape == probe.shape)
 
 
-class GeminiOptimizer:
+class GeminiOptimizer(WrapsOptimizer):
     """The user's ``optimizer`` over chunks of ``model``'s parameters placed by ``options``
     (see the module docstring). Behaves like a ``torch.optim.Optimizer`` for the engine and for
     LR schedulers (``param_groups``, ``state``, ``step``, ``zero_grad``)."""
@@ -243,19 +244,7 @@ class GeminiOptimizer:
         for group, params in zip(self.optimizer.param_groups, groups):
             group["params"] = params
 
-    # ---- the optimizer interface -------------------------------------------------------------
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
-
+    # ---- the optimizer interface (param_groups, state, defaults: the user's) -----------------
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
             p.grad = None

@@ -44,13 +44,14 @@ from tessera.memory.deferred import set_data
 from tessera.memory.host import copy_to_device_, host_copy, wait_for_device
 from tessera.optim.host_adam import HostAdamW
 from tessera.optim.norms import global_grad_norm
+from tessera.optim.wrapping import WrapsOptimizer
 from tessera.zero.policy import ZeroOptions
 from tessera.zero.release import ReleaseOnUse
 
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(WrapsOptimizer):
     """A sharded optimizer over ``ctx``'s data axis wrapping the user's ``optimizer``.
 
     Behaves like a ``torch.optim.Optimizer`` for the engine and for LR schedulers
@@ -185,19 +186,7 @@ class ZeroOptimizer:
         self.optimizer = host
         self._user_optimizer = user
 
-    # ---- the optimizer interface -------------------------------------------------------------
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
-
+    # ---- the optimizer interface (param_groups, state, defaults: the user's) -----------------
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every gradient: the model's, the shards' and the pieces'."""
         for p in self.params:
