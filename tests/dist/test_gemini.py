@@ -51,7 +51,7 @@ def reference(clip: float | None):
     return losses, full_state_dict(model)
 
 
-def train(gemini: dict, accumulation: int, clip: float | None, dtype: str = "fp32"):
+def train(gemini: dict, accumulation: int, clip: float | None, dtype: str = "fp32", tensor: int = 1):
     """Train under Gemini; returns losses, the full state (rank 0), the ledger's samples and
     budgets, and the tiers that held bytes at some point."""
     with tempfile.TemporaryDirectory() as offload:
@@ -60,8 +60,9 @@ def train(gemini: dict, accumulation: int, clip: float | None, dtype: str = "fp3
             "gradient_accumulation": accumulation,
             "clip_grad_norm": clip,
             "mixed_precision": {"dtype": dtype},
+            "parallel": {"tensor": {"size": tensor, "mode": "1d"}},
         }
-        ctx = use_layout(config=config)
+        ctx = use_layout(tensor=tensor, config=config)
         model = build()
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
         micro = GLOBAL_BATCH // (ctx.size("data") * accumulation)
@@ -114,6 +115,19 @@ def test_gemini_reproduces_single_process_training_through_every_tier(
         assert min(max(s[i] for s in samples) for i in range(3)) > 0, report
         assert report["disk_written_bytes"] > 0 and report["disk_read_bytes"] > 0, report
         assert report["policy"] == gemini["placement"]
+
+
+def test_gemini_with_1d_tensor_parallelism_reproduces_single_process_training(pools, references):
+    gemini = {"placement": "auto", "device_budget": 300_000, "host_budget": 50_000}
+    results = pools.run(4, train, gemini, 2, 0.05, "fp32", 2, timeout=600)  # tp2 x dp2
+    losses, state, _, _, _ = results[0]
+    ref_losses, ref_state = references[0.05]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    for key in ref_state:
+        torch.testing.assert_close(state[key], ref_state[key], rtol=1e-5, atol=1e-6, msg=key)
+    for _, _, samples, (device_budget, host_budget), report in results:
+        assert max(s[0] for s in samples) <= device_budget and max(s[1] for s in samples) <= host_budget
+        assert report["disk_written_bytes"] > 0, report
 
 
 def test_gemini_bf16_tracks_single_process(pools, references):
