@@ -24,6 +24,12 @@ from tessera.memory.tiers import BudgetError, Tier
 from tessera.memory.tracer import MemoryTracer, Trace
 from tessera.parallel.strategy import Strategy
 
+_NOT_YET = (
+    "gemini: sharded checkpoints and deferred initialisation (tessera.deferred_init(), which `tessera train` "
+    "uses) of Gemini-managed models are not available yet in this version of tessera; build the model normally "
+    "and call tessera.initialize, and save with tessera.checkpoint.full_state_dict(engine)"
+)
+
 
 class Gemini(Strategy):
     """``optimizer`` over chunks of ``module``'s parameters placed over the tiers per ``options``."""
@@ -106,10 +112,10 @@ class Gemini(Strategy):
         return out
 
     def checkpoint_tensors(self) -> list[HeldTensor]:
-        raise NotAvailableError("sharded checkpoints of Gemini-managed models are not available yet")
+        raise NotAvailableError(_NOT_YET)
 
     def state_dict(self) -> dict[str, Any]:
-        raise NotAvailableError("sharded checkpoints of Gemini-managed models are not available yet")
+        raise NotAvailableError(_NOT_YET)
 
     def close(self) -> None:
         """Wait for disk transfers and remove this rank's offload files."""
