@@ -32,6 +32,20 @@ def load(path: str | Path, engine: Any, *, dataloader: Any = None) -> int:
     wait_for_saves()
     folder = Path(path)
     index = read_index(folder)
+    with engine.strategy.checkpoint_session():
+        _load_tensors(folder, index, engine)
+    engine.load_state_dict(index["engine"])
+    scheduler = getattr(engine, "lr_scheduler", None)
+    if scheduler is not None and index.get("scheduler") is not None:
+        scheduler.load_state_dict(index["scheduler"])
+    if dataloader is not None and index.get("dataloader") is not None:
+        dataloader.load_state_dict(index["dataloader"])
+    return int(index["step"])
+
+
+def _load_tensors(folder: Path, index: dict[str, Any], engine: Any) -> None:
+    """The model's and optimizer's tensors and the random states (inside the strategy's
+    checkpoint session)."""
     strategy, ctx = engine.strategy, engine.ctx
     held: list[HeldTensor] = strategy.checkpoint_tensors()
     tensors = index["tensors"]
@@ -50,13 +64,6 @@ def load(path: str | Path, engine: Any, *, dataloader: Any = None) -> int:
             }
             restore_rng(ctx, rng, index["ranks"][str(ctx.rank)]["rng"])
     strategy.checkpoint_loaded()
-    engine.load_state_dict(index["engine"])
-    scheduler = getattr(engine, "lr_scheduler", None)
-    if scheduler is not None and index.get("scheduler") is not None:
-        scheduler.load_state_dict(index["scheduler"])
-    if dataloader is not None and index.get("dataloader") is not None:
-        dataloader.load_state_dict(index["dataloader"])
-    return int(index["step"])
 
 
 def _check_model(module: torch.nn.Module, held: list[HeldTensor], tensors: dict[str, Any], folder: Path) -> None:

@@ -58,16 +58,18 @@ __all__ = ["SaveHandle", "held_tensors", "partial_folder", "save", "wait_for_sav
 def held_tensors(engine: Any) -> list[tuple[str, torch.Tensor, View]]:
     """Every tensor this rank holds for a checkpoint, under its index name (``model/<key>``,
     ``optim/<key>/<state>``, ``rng/rank<r>/<name>``) with its view in full coordinates."""
-    return [(p.name, p.tensor, p.view) for p in holding(engine).pieces]
+    with engine.strategy.checkpoint_session():
+        return [(p.name, p.tensor, p.view) for p in holding(engine).pieces]
 
 
 def written_share(engine: Any) -> list[torch.Tensor]:
     """The tensors this rank writes when ``engine`` is saved (replicas share the writing): what
     ``save(..., blocking=False)`` copies to host memory. Collective."""
     wait_for_saves()
-    held = holding(engine)
-    share = planning.share(held.signature, engine.ctx)
-    return [held.pieces[n].tensor for _, n in share.keys]
+    with engine.strategy.checkpoint_session():
+        held = holding(engine)
+        share = planning.share(held.signature, engine.ctx)
+        return [held.pieces[n].tensor for _, n in share.keys]
 
 
 def partial_folder(path: Path) -> Path:
@@ -101,15 +103,17 @@ def save(
     ctx: ParallelContext = engine.ctx
     final = Path(path)
     if blocking:
-        return _save_now(final, engine, dataloader, extra)
+        with engine.strategy.checkpoint_session():
+            return _save_now(final, engine, dataloader, extra)
     # collective the first time: every rank is in this call
     group = ctx.side_group("checkpoint") if ctx.world_size > 1 else None
     partial = _fresh_partial(final) if ctx.rank == 0 else partial_folder(final)  # a bad path fails here
-    held = holding(engine, check_layout=False)
-    kept, copied, copies = _snapshot(held, ctx)
-    if not layout_holds(held):  # a kept tensor changed dtype (or shape) in place: list anew
-        held = holding(engine)
+    with engine.strategy.checkpoint_session():
+        held = holding(engine, check_layout=False)
         kept, copied, copies = _snapshot(held, ctx)
+        if not layout_holds(held):  # a kept tensor changed dtype (or shape) in place: list anew
+            held = holding(engine)
+            kept, copied, copies = _snapshot(held, ctx)
     counters = _counters(engine, dataloader, extra, held) if ctx.rank == 0 else None
     python_rng = rng_states()
     other = jsonable(held.other)

@@ -155,6 +155,7 @@ class GeminiOptimizer(WrapsOptimizer):
         chunk_of = {key: chunk for key, (chunk, _) in self._slot_of.items()}
         self._state_dicts = WholeStateDict(model, chunk_of, on_loaded=self._master_from_params)
         self.steps = 0
+        self._resident = False
 
     # ---- construction ------------------------------------------------------------------------
     def _check_budgets(
@@ -245,6 +246,14 @@ class GeminiOptimizer(WrapsOptimizer):
             group["params"] = params
 
     # ---- the optimizer interface (param_groups, state, defaults: the user's) -----------------
+    def state_dict(self) -> dict[str, Any]:
+        """The user's optimizer's state over this rank's pieces (inside :meth:`resident`)."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load per-piece state (inside :meth:`resident`; the states reach the parts after it)."""
+        self.optimizer.load_state_dict(state)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
             p.grad = None
@@ -465,6 +474,89 @@ class GeminiOptimizer(WrapsOptimizer):
         self.memory.dirty(parts["master"])
         self.memory.done(parts["master"])
         self.memory.done(parts["params"])
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    @contextmanager
+    def resident(self) -> Iterator[None]:
+        """Every chunk's masters and optimizer states in host memory, the pieces viewing the
+        masters and the optimizer's state viewing the states parts, for a checkpoint's save or
+        load (or a deferred model's materialisation) inside the block. The rank's whole shard
+        passes through host memory for it, budgets lifted; after the block the states the
+        optimizer was given (a load) go into the parts, and parts move back under the budgets."""
+        if self._resident:
+            yield
+            return
+        self._resident = True
+        held: list[Part] = []
+        try:
+            with self.ledger.lifted(), self.memory.untraced():
+                for chunk, parts in zip(self.chunks, self._parts):
+                    master_part = parts["master" if self.separate_master else "params"]
+                    master = self.memory.need(master_part, Tier.HOST)
+                    held.append(master_part)
+                    states = None
+                    if "states" in parts and parts["states"].residence is not Residence.EMPTY:
+                        states = self.memory.need(parts["states"], Tier.HOST)
+                        held.append(parts["states"])
+                    self._bind(self._pieces[chunk.index], master, None, states, first=states is None)
+                try:
+                    yield
+                finally:
+                    for chunk, parts in zip(self.chunks, self._parts):
+                        self._take_states(chunk, parts)
+                    for part in held:
+                        self.memory.done(part)
+        finally:
+            self._resident = False
+        self.memory.rebalance()
+
+    def _take_states(self, chunk: TieredChunk, parts: dict[str, Part]) -> None:
+        """After a resident block: the optimizer's states of ``chunk``'s pieces into its states
+        part (a load replaced them), its scalars kept; the pieces emptied again."""
+        pieces = self._pieces[chunk.index]
+        found = [self.optimizer.state.get(piece) for piece, _, _, _ in pieces]
+        if self.streams and any(found):
+            states_part = parts["states"]
+            states = self.memory.need(states_part, Tier.HOST, fill=states_part.residence is not Residence.EMPTY)
+            n = chunk.shard_numel
+            for (_, _, a, b), state in zip(pieces, found):
+                for k, key in enumerate(self.streams):
+                    value = (state or {}).get(key)
+                    view = states[k * n + a : k * n + b]
+                    if value is not None and value.data_ptr() != view.data_ptr():
+                        view.copy_(value.reshape(-1))
+            self.memory.dirty(states_part)
+            self.memory.done(states_part)
+        for (piece, _, _, _), state in zip(pieces, found):
+            self.optimizer.state.pop(piece, None)
+            if state:
+                self._scalars[id(piece)] = {k: v for k, v in state.items() if k not in self.streams}
+            piece.data, piece.grad = _EMPTY_FOR[piece.device], None
+
+    def held_pieces(self) -> list[tuple[str, nn.Parameter, nn.Parameter, int, int]]:
+        """``(name, parameter, piece, start, end)`` for each piece this rank steps (inside
+        :meth:`resident`, where the pieces view the masters)."""
+        out = []
+        for chunk, pieces in zip(self.chunks, self._pieces):
+            lo = chunk.shard_range[0]
+            for piece, slot, a, b in pieces:
+                start = lo + a - slot.offset
+                out.append((slot.name, self.params[slot.index], piece, start, start + (b - a)))
+        return out
+
+    def masters_loaded(self) -> None:
+        """New values reached the masters (inside :meth:`resident`): their files are out of
+        date, and with bf16/fp16 the parameters follow."""
+        for parts in self._parts:
+            master_part = parts["master" if self.separate_master else "params"]
+            self.memory.dirty(master_part)
+            if self.separate_master:
+                master = self.memory.need(master_part, Tier.HOST)
+                params = self.memory.need(parts["params"], Tier.HOST, fill=False)
+                params.copy_(master)
+                self.memory.dirty(parts["params"])
+                self.memory.done(parts["params"])
+                self.memory.done(master_part)
 
     # ---- full state, memory ------------------------------------------------------------------
     @contextmanager

@@ -9,6 +9,7 @@ furthest in the future and keeps device room for the traced activations.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -16,19 +17,13 @@ from torch import nn
 
 from tessera.context import ParallelContext
 from tessera.context.views import HeldTensor
-from tessera.errors import NotAvailableError
+from tessera.errors import TesseraError
 from tessera.gemini.optimizer import GeminiOptimizer
 from tessera.gemini.options import GeminiOptions
 from tessera.memory.placement import AutoPolicy
 from tessera.memory.tiers import BudgetError, Tier
 from tessera.memory.tracer import MemoryTracer, Trace
-from tessera.parallel.strategy import Strategy
-
-_NOT_YET = (
-    "gemini: sharded checkpoints and deferred initialisation (tessera.deferred_init(), which `tessera train` "
-    "uses) of Gemini-managed models are not available yet in this version of tessera; build the model normally "
-    "and call tessera.initialize, and save with tessera.checkpoint.full_state_dict(engine)"
-)
+from tessera.parallel.strategy import Strategy, module_tensors, view_of
 
 
 class Gemini(Strategy):
@@ -45,7 +40,6 @@ class Gemini(Strategy):
         self.name = f"gemini({options.placement})"
         self.tracer = MemoryTracer(module, ctx.device, self._is_model, self._model_device_bytes)
         self.trace: Trace | None = None
-        self.memory.start_trace()
 
     def _is_model(self, tensor: torch.Tensor) -> bool:
         ptr = tensor.untyped_storage().data_ptr()
@@ -60,6 +54,8 @@ class Gemini(Strategy):
     def forward(self, *args: Any, final: bool = True, **kwargs: Any) -> Any:
         self.sharded.set_final(final)
         if self.trace is None and torch.is_grad_enabled():
+            if self.memory.recording is None:  # the warm-up step begins
+                self.memory.start_trace()
             with self.tracer.tracing():
                 return self.model(*args, **kwargs)
         return self.model(*args, **kwargs)
@@ -88,14 +84,21 @@ class Gemini(Strategy):
         self.trace = self.tracer.finish(self.memory.stop_trace())
         if isinstance(self.sharded.policy, AutoPolicy):
             need = self.trace.activation_bytes
-            try:
-                self.memory.reserve(Tier.DEVICE, need, "activations", "traced activations")
-            except BudgetError as error:
-                budget = self.sharded.ledger.budget[Tier.DEVICE]
+            budget = self.sharded.ledger.budget[Tier.DEVICE]
+            smallest = self.sharded.policy.reserve + need
+            error = None
+            if budget is not None and budget < smallest:
+                error = BudgetError("")
+            else:
+                try:
+                    self.memory.reserve(Tier.DEVICE, need, "activations", "traced activations")
+                except BudgetError as raised:
+                    error = raised
+            if error is not None:
                 raise BudgetError(
                     f"gemini.device_budget={budget} bytes cannot hold the traced activations ({need} bytes) next to "
-                    f"one chunk's working set: give gemini.device_budget >= {self.sharded.policy.reserve + need} bytes "
-                    "or use smaller micro-batches"
+                    f"one chunk's working set: give gemini.device_budget >= {smallest} bytes or use smaller "
+                    "micro-batches"
                 ) from error
 
     # ---- memory and state --------------------------------------------------------------------
@@ -111,11 +114,32 @@ class Gemini(Strategy):
         out["activation_bytes"] = self.trace.activation_bytes if self.trace is not None else None
         return out
 
+    def checkpoint_session(self) -> AbstractContextManager[None]:
+        return self.sharded.resident()
+
     def checkpoint_tensors(self) -> list[HeldTensor]:
-        raise NotAvailableError(_NOT_YET)
+        """This rank's pieces of the parameters (fp32 masters, flat ranges of their blocks) and
+        whatever Gemini does not manage (frozen parameters, buffers); inside a checkpoint session."""
+        if not self.sharded._resident:
+            raise TesseraError("Gemini's checkpoint tensors are read inside strategy.checkpoint_session()")
+        sharded = self.sharded
+        held = [
+            HeldTensor(name, piece, view_of(param).with_flat(a, b))
+            for name, param, piece, a, b in sharded.held_pieces()
+        ]
+        stepped = {id(p) for p in sharded.params}
+        return held + module_tensors(self.module, lambda p: id(p) not in stepped)
+
+    def checkpoint_loaded(self) -> None:
+        self.sharded.masters_loaded()
 
     def state_dict(self) -> dict[str, Any]:
-        raise NotAvailableError(_NOT_YET)
+        with self.checkpoint_session():
+            return {"optimizer": self.sharded.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self.checkpoint_session():
+            self.sharded.optimizer.load_state_dict(state["optimizer"])
 
     def close(self) -> None:
         """Wait for disk transfers and remove this rank's offload files."""

@@ -104,6 +104,13 @@ def check_recording(rec: Recording, model: nn.Module, source: Source) -> None:
 def materialise(strategy: Any, wants: list[Want], rec: Recording | None, source: Source, device: torch.device) -> None:
     """Fill what ``strategy`` holds of the model, and the module's deferred buffers, from
     ``source`` (see the module docstring); then let the strategy's derived copies follow."""
+    with strategy.checkpoint_session():
+        _materialise(strategy, wants, rec, source, device)
+    if rec is not None:
+        forget(rec)
+
+
+def _materialise(strategy: Any, wants: list[Want], rec: Recording | None, source: Source, device: torch.device) -> None:
     allocate_module(strategy.module, device, strategy.holds)
     by_key = {w.key: w for w in wants}
     for held in strategy.checkpoint_tensors():
@@ -126,8 +133,6 @@ def materialise(strategy: Any, wants: list[Want], rec: Recording | None, source:
         if resident and rec is not None:
             _fill_from_replay(resident, rec)
     strategy.checkpoint_loaded()
-    if rec is not None:
-        forget(rec)
 
 
 def _state_keys(module: nn.Module) -> set[str]:

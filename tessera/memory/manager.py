@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
@@ -108,6 +109,7 @@ class ChunkMemory:
         self.recording: list[str] | None = None  # uses being traced
         self.timeline: Timeline | None = None
         self.cursor = 0  # position in the timeline of the latest use
+        self._untraced = 0
 
     # ---- parts ---------------------------------------------------------------------------
     def add(self, part: Part) -> Part:
@@ -207,6 +209,13 @@ class ChunkMemory:
     def unreserve(self, tier: Tier, nbytes: int, kind: str, what: str) -> None:
         self.ledger.credit(tier, nbytes, kind, what)
 
+    def rebalance(self) -> None:
+        """Move parts down until every tier is within its budget again (after a block that
+        lifted the budgets)."""
+        self._reap()
+        for tier in (Tier.DEVICE, Tier.HOST):
+            self._make_room(tier, 0, "rebalance")
+
     def settle(self) -> None:
         """Wait for every disk transfer in flight."""
         for name in list(self._transfers):
@@ -236,7 +245,19 @@ class ChunkMemory:
     def last_use(self, part: Part) -> int:
         return self._last_use.get(part.name, -1)
 
+    @contextmanager
+    def untraced(self) -> Iterator[None]:
+        """Uses inside the block are not part of training (a checkpoint, materialisation): the
+        trace does not record them and the position in the trace stays."""
+        self._untraced += 1
+        try:
+            yield
+        finally:
+            self._untraced -= 1
+
     def _use(self, part: Part) -> None:
+        if self._untraced:
+            return
         self.uses += 1
         self._last_use[part.name] = self.uses
         if self.recording is not None:

@@ -21,6 +21,7 @@ A training step, as the engine drives it::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -121,6 +122,13 @@ class Strategy:
         one the optimizer steps (its state is saved under the same view). Ranks holding the same
         view (data-parallel replicas) hold the same values; the checkpoint writes it once."""
         return module_tensors(self.module, self.holds)
+
+    def checkpoint_session(self) -> AbstractContextManager[None]:
+        """The block inside which :meth:`checkpoint_tensors` (and the optimizer's per-parameter
+        state) may be read and written: a checkpoint's save or load, a deferred model's
+        materialisation. Default: nothing to prepare (the tensors are always in memory); a
+        strategy whose state may be on disk brings it in here and puts it back after."""
+        return nullcontext()
 
     def holds(self, param: torch.Tensor) -> bool:
         """Whether this rank trains (and so saves and loads) ``param``. Default: every one."""

@@ -160,3 +160,64 @@ def test_a_budget_too_small_for_one_chunk_fails_at_start_naming_the_smallest(poo
     with tempfile.TemporaryDirectory() as offload:
         message = pools.run(2, start_with, {"host_budget": 1_000, "offload_dir": offload}, timeout=120)[0]
     assert "gemini.host_budget=0.00 MiB is too small" in message, message
+
+
+def batches(ctx, steps: range):
+    """This rank's share of the global batch of each step (accumulation 1)."""
+    x, y = dataset().tensors
+    n, r = ctx.size("data"), ctx.local_rank("data")
+    per = GLOBAL_BATCH // n
+    for step in steps:
+        lo = step * GLOBAL_BATCH + r * per
+        yield x[lo : lo + per], y[lo : lo + per]
+
+
+def fresh_engine(gemini: dict, offload: str):
+    config = {"gemini": {"offload_dir": offload, "chunk_mb": CHUNK_MB, **gemini}, "clip_grad_norm": 0.05}
+    ctx = use_layout(config=config)
+    model = build()
+    engine, *_ = tessera.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6), NextTokenLoss())
+    return ctx, engine
+
+
+def train_save_resume(gemini: dict, folder: str):
+    """5 steps, a checkpoint (with parts on disk), 5 more; then a new engine loads the checkpoint
+    and runs the same 5 steps."""
+    from tessera.checkpoint import load, save
+    from tessera.memory.tiers import Residence
+
+    with tempfile.TemporaryDirectory() as first, tempfile.TemporaryDirectory() as second:
+        ctx, engine = fresh_engine(gemini, first)
+        losses = [engine.train_batch(iter([b])) for b in batches(ctx, range(5))]
+        on_disk = sum(p.residence is Residence.DISK for p in engine.strategy.memory.parts)
+        save(f"{folder}/ckpt", engine)
+        still_on_disk = sum(p.residence is Residence.DISK for p in engine.strategy.memory.parts)
+        losses += [engine.train_batch(iter([b])) for b in batches(ctx, range(5, 10))]
+        final = full_state_dict(engine)
+        engine.strategy.close()
+        ctx, resumed = fresh_engine(gemini, second)
+        step = load(f"{folder}/ckpt", resumed)
+        after = [resumed.train_batch(iter([b])) for b in batches(ctx, range(5, 10))]
+        resumed_final = full_state_dict(resumed)
+        samples_ok = True
+        resumed.strategy.close()
+    return losses, after, step, on_disk, still_on_disk, final, resumed_final, samples_ok
+
+
+@pytest.mark.parametrize("placement", ["static", "auto"])
+def test_gemini_resumes_exactly_from_a_checkpoint_taken_with_chunks_on_disk(pools, references, placement, tmp_path):
+    gemini = (
+        {"placement": "static", "params_offload": 0.5, "optimizer_offload": 1.0,
+         "device_budget": 150_000, "host_budget": 60_000}
+        if placement == "static"
+        else {"placement": "auto", "device_budget": 450_000, "host_budget": 60_000}
+    )  # fmt: skip
+    for losses, after, step, on_disk, still_on_disk, final, resumed_final, _ in pools.run(
+        2, train_save_resume, gemini, str(tmp_path), timeout=600
+    ):
+        assert on_disk > 0 and still_on_disk > 0, "the checkpoint was taken while parts were on disk"
+        assert step == 5
+        assert after == losses[5:], "the resumed run gives the same losses, bitwise"
+        for key in final:
+            assert torch.equal(resumed_final[key], final[key]), key
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(references[0.05][0]), rtol=1e-5, atol=0)

@@ -5,6 +5,7 @@ all-reduce for replicated optimizers, or ZeRO-1's reduce-scatter)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -102,6 +103,9 @@ class PipelineParallel(Strategy):
 
     def checkpoint_loaded(self) -> None:
         self.gradients.checkpoint_loaded()
+
+    def checkpoint_session(self) -> AbstractContextManager[None]:
+        return self.gradients.checkpoint_session()
         self._weights_stale = True  # other stages' weights: fetched again before evaluation
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
