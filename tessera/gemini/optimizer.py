@@ -192,6 +192,7 @@ class GeminiOptimizer(WrapsOptimizer):
             )
         if self.memory.disk is not None:
             self.memory.disk.check_room(max(0, total - in_memory) if self.options.host_budget is not None else 0)
+        self.policy_host_reserve = host_need  # host room kept for parts passing through
         if isinstance(self.policy, StaticPolicy):
             self.policy.setup(
                 self.chunk_plan.chunks,
@@ -510,6 +511,58 @@ class GeminiOptimizer(WrapsOptimizer):
             self._resident = False
         self.memory.rebalance()
 
+    def groups(self, room: float) -> list[list[int]]:
+        """Chunk indices in runs whose masters (and, with bf16/fp16, parameters) fit in
+        ``room`` bytes together."""
+        out: list[list[int]] = [[]]
+        used = 0.0
+        for chunk, parts in zip(self.chunks, self._parts):
+            size = parts["params"].nbytes + (parts["master"].nbytes if self.separate_master else 0)
+            if out[-1] and used + size > room:
+                out.append([])
+                used = 0.0
+            out[-1].append(chunk.index)
+            used += size
+        return out
+
+    @contextmanager
+    def filling(self, indices: list[int]) -> Iterator[list[tuple[str, nn.Parameter, nn.Parameter, int, int]]]:
+        """The pieces of the chunks ``indices``, viewing their masters in host memory, to be
+        written whole inside the block (a deferred model's values); after it the parameters
+        follow the masters and the parts go where the budgets let them."""
+        taken: list[Part] = []
+        with self.memory.untraced():
+            try:
+                for i in indices:
+                    master_part = self._parts[i]["master" if self.separate_master else "params"]
+                    master = self.memory.need(master_part, Tier.HOST, fill=False)
+                    taken.append(master_part)
+                    master.zero_()  # the padding too: every element has a value
+                    for piece, _, a, b in self._pieces[i]:
+                        piece.data = master[a:b]
+                yield [p for p in self.held_pieces() if self._slot_of[id(p[1])][0].index in indices]
+                for i in indices:
+                    self._fresh_values(self._parts[i])
+            finally:
+                for i in indices:
+                    for piece, _, _, _ in self._pieces[i]:
+                        piece.data = _EMPTY_FOR[piece.device]
+                for part in taken:
+                    self.memory.done(part)
+
+    def _fresh_values(self, parts: dict[str, Part]) -> None:
+        """New values reached a chunk's masters (held in memory): their file is out of date, and
+        with bf16/fp16 the parameters follow."""
+        master_part = parts["master" if self.separate_master else "params"]
+        self.memory.dirty(master_part)
+        if self.separate_master:
+            master = self.memory.need(master_part, Tier.HOST)
+            params = self.memory.need(parts["params"], Tier.HOST, fill=False)
+            params.copy_(master)
+            self.memory.dirty(parts["params"])
+            self.memory.done(parts["params"])
+            self.memory.done(master_part)
+
     def _take_states(self, chunk: TieredChunk, parts: dict[str, Part]) -> None:
         """After a resident block: the optimizer's states of ``chunk``'s pieces into its states
         part (a load replaced them), its scalars kept; the pieces emptied again."""
@@ -545,18 +598,13 @@ class GeminiOptimizer(WrapsOptimizer):
         return out
 
     def masters_loaded(self) -> None:
-        """New values reached the masters (inside :meth:`resident`): their files are out of
-        date, and with bf16/fp16 the parameters follow."""
-        for parts in self._parts:
-            master_part = parts["master" if self.separate_master else "params"]
-            self.memory.dirty(master_part)
-            if self.separate_master:
-                master = self.memory.need(master_part, Tier.HOST)
-                params = self.memory.need(parts["params"], Tier.HOST, fill=False)
-                params.copy_(master)
-                self.memory.dirty(parts["params"])
-                self.memory.done(parts["params"])
-                self.memory.done(master_part)
+        """New values reached the masters inside :meth:`resident` (a checkpoint loaded); a no-op
+        after :meth:`filling`, which has already made the parameters follow."""
+        if not self._resident:
+            return
+        with self.memory.untraced():
+            for parts in self._parts:
+                self._fresh_values(parts)
 
     # ---- full state, memory ------------------------------------------------------------------
     @contextmanager

@@ -9,7 +9,8 @@ furthest in the future and keeps device room for the traced activations.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -129,6 +130,24 @@ class Gemini(Strategy):
         ]
         stepped = {id(p) for p in sharded.params}
         return held + module_tensors(self.module, lambda p: id(p) not in stepped)
+
+    def checkpoint_groups(self) -> list[AbstractContextManager[list[HeldTensor]]]:
+        """Chunks in groups that fit in host memory (half the host budget, as the rest is for
+        parts passing through), so that a deferred model is never whole on this rank."""
+        sharded = self.sharded
+        host = sharded.ledger.budget[Tier.HOST]
+        room = float("inf") if host is None else max(1.0, (host - sharded.policy_host_reserve) / 2)
+        groups = sharded.groups(room)
+        stepped = {id(p) for p in sharded.params}
+        others = module_tensors(self.module, lambda p: id(p) not in stepped)
+        return [self._group(indices, others if n == 0 else []) for n, indices in enumerate(groups)]
+
+    @contextmanager
+    def _group(self, indices: list[int], others: list[HeldTensor]) -> Iterator[list[HeldTensor]]:
+        with self.sharded.filling(indices) as pieces:
+            yield [
+                HeldTensor(name, piece, view_of(param).with_flat(a, b)) for name, param, piece, a, b in pieces
+            ] + others
 
     def checkpoint_loaded(self) -> None:
         self.sharded.masters_loaded()

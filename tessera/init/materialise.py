@@ -104,35 +104,44 @@ def check_recording(rec: Recording, model: nn.Module, source: Source) -> None:
 def materialise(strategy: Any, wants: list[Want], rec: Recording | None, source: Source, device: torch.device) -> None:
     """Fill what ``strategy`` holds of the model, and the module's deferred buffers, from
     ``source`` (see the module docstring); then let the strategy's derived copies follow."""
-    with strategy.checkpoint_session():
-        _materialise(strategy, wants, rec, source, device)
+    allocate_module(strategy.module, device, strategy.holds)
+    if rec is not None:
+        rec.drop_lookup()  # the strategy is built: its memory goes to the replay's bookkeeping
+    by_key = {w.key: w for w in wants}
+    groups = strategy.checkpoint_groups()  # one, unless the strategy holds more than fits at once
+    for number, group in enumerate(groups):
+        last = number == len(groups) - 1
+        with group as held_tensors:
+            for want in wants:
+                want.targets.clear()
+            for held in held_tensors:
+                found = by_key.get(held.key)
+                if found is not None:
+                    found.targets.append((held.tensor, held.view))
+            if number == 0:
+                for want in wants:
+                    if want.kind != "parameter" and not want.targets:  # non-persistent buffers, attributes
+                        want.targets.append((want.live(), want.view))
+            _fill(strategy, [w for w in wants if w.targets], rec, source, consume=last)
+    strategy.checkpoint_loaded()
     if rec is not None:
         forget(rec)
 
 
-def _materialise(strategy: Any, wants: list[Want], rec: Recording | None, source: Source, device: torch.device) -> None:
-    allocate_module(strategy.module, device, strategy.holds)
-    by_key = {w.key: w for w in wants}
-    for held in strategy.checkpoint_tensors():
-        want = by_key.get(held.key)
-        if want is not None:
-            want.targets.append((held.tensor, held.view))
-    for want in wants:
-        if want.kind != "parameter" and not want.targets:  # non-persistent buffers, attributes
-            want.targets.append((want.live(), want.view))
+def _fill(strategy: Any, wants: list[Want], rec: Recording | None, source: Source, consume: bool) -> None:
+    """Fill the targets of ``wants`` from ``source`` (``consume``: the replay may use up the
+    recording: no group follows)."""
     if callable(source):
         _fill_from_fn(wants, source)
     elif source == "random":
         assert rec is not None
-        rec.drop_lookup()  # the strategy is built: its memory goes to the replay's bookkeeping
-        _fill_from_replay(wants, rec)
+        _fill_from_replay(wants, rec, consume)
     else:
         saved = _state_keys(strategy.module)
         resident = [w for w in wants if w.kind != "parameter" and w.key not in saved]
         _fill_from_file(Path(source), [w for w in wants if w not in resident])
         if resident and rec is not None:
-            _fill_from_replay(resident, rec)
-    strategy.checkpoint_loaded()
+            _fill_from_replay(resident, rec, consume)
 
 
 def _state_keys(module: nn.Module) -> set[str]:
@@ -159,7 +168,7 @@ def _put(want: Want, value: torch.Tensor, view: View) -> None:
         fill(reader, want.key, entry, tensor, target_view)  # type: ignore[arg-type]
 
 
-def _fill_from_replay(wants: list[Want], rec: Recording) -> None:
+def _fill_from_replay(wants: list[Want], rec: Recording, consume: bool = True) -> None:
     state = torch.get_rng_state()
     untouched = torch.equal(state, rec.exit_state)  # nothing drew between construction and now
     pending: dict[int, list[Want]] = {}
@@ -168,7 +177,7 @@ def _fill_from_replay(wants: list[Want], rec: Recording) -> None:
             pending.setdefault(want.ref.sid, []).append(want)
     pieces = _pieces(pending)
     into = {sid: pending[sid][0].targets[0][0] for sid in pieces}
-    for made in replay(rec, set(pending), windows=pieces, into=into, consume=True):
+    for made in replay(rec, set(pending), windows=pieces, into=into, consume=consume):
         for want in pending.pop(made.sid):
             if made.window is not None:  # only this rank's piece was made (in place, when it could)
                 for tensor, _ in want.targets:

@@ -130,6 +130,12 @@ class Strategy:
         strategy whose state may be on disk brings it in here and puts it back after."""
         return nullcontext()
 
+    def checkpoint_groups(self) -> list[AbstractContextManager[list[HeldTensor]]]:
+        """:meth:`checkpoint_tensors` in groups, each readable and writable inside its block, for
+        filling a deferred model one group at a time (a strategy whose state may be on disk keeps
+        one group in memory at a time). Default: one group, all of them."""
+        return [nullcontext(self.checkpoint_tensors())]
+
     def holds(self, param: torch.Tensor) -> bool:
         """Whether this rank trains (and so saves and loads) ``param``. Default: every one."""
         return True

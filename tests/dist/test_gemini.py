@@ -221,3 +221,44 @@ def test_gemini_resumes_exactly_from_a_checkpoint_taken_with_chunks_on_disk(pool
         for key in final:
             assert torch.equal(resumed_final[key], final[key]), key
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(references[0.05][0]), rtol=1e-5, atol=0)
+
+
+def deferred_start(gemini: dict, dtype: str):
+    """Build the GPT deferred under Gemini: the initial full state, the tiers' peaks while it
+    was filled (the budgets hold during materialisation), then 10 steps."""
+    with tempfile.TemporaryDirectory() as offload:
+        config = {
+            "gemini": {"offload_dir": offload, "chunk_mb": CHUNK_MB, **gemini},
+            "clip_grad_norm": 0.05,
+            "mixed_precision": {"dtype": dtype},
+        }
+        ctx = use_layout(config=config)
+        torch.manual_seed(0)
+        with tessera.deferred_init():
+            model = gpt("tiny", vocab_size=64, max_seq_len=SEQ, d_model=32, n_layers=2, n_heads=4)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
+        engine, *_ = tessera.initialize(model, optimizer, NextTokenLoss())
+        started = engine.strategy.report()
+        groups = len(engine.strategy.checkpoint_groups())
+        initial = full_state_dict(engine)
+        losses = [engine.train_batch(iter([b])) for b in batches(ctx, range(STEPS))]
+        engine.strategy.close()
+    return initial if ctx.rank == 0 else None, started, groups, losses
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_deferred_model_is_filled_chunk_group_by_group_within_the_budgets(pools, references, dtype):
+    host = 60_000 if dtype == "fp32" else 100_000  # bf16: the same chunk_mb holds twice the elements
+    gemini = {"placement": "auto", "device_budget": 450_000, "host_budget": host}
+    results = pools.run(2, deferred_start, gemini, dtype, timeout=600)
+    initial, _, _, losses = results[0]
+    expected = full_state_dict(build())
+    for key in expected:  # the single-process initial values, bitwise (fp32 masters under bf16)
+        assert torch.equal(initial[key], expected[key]), key
+    for _, started, groups, _ in results:
+        assert groups > 1, "the masters did not all fit at once: filled in several groups"
+        assert started["host_peak_bytes"] <= gemini["host_budget"], started
+        assert started["device_peak_bytes"] <= gemini["device_budget"], started
+        assert started["disk_bytes"] > 0, started
+    rtol = 1e-5 if dtype == "fp32" else 2e-2
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(references[0.05][0]), rtol=rtol, atol=0)
