@@ -136,7 +136,7 @@ class ChunkMemory:
             part.move_to(Residence.DISK)
             return
         self._make_room(tier, part.nbytes, part.name)
-        buffer = self._pool(tier).take(part.numel, part.dtype)
+        buffer = self._take(tier, part.numel, part.dtype)
         if values is None:
             buffer.zero_()
         else:
@@ -195,7 +195,7 @@ class ChunkMemory:
         part.move_to(Residence.EMPTY)
         part.tensor = None
         if buffer is not None and tier is not None:
-            self._pool(tier).give(buffer)
+            self._give(tier, buffer)
         if part.file_valid and self.disk is not None:
             self.disk.remove(part.name)
         part.file_valid = False
@@ -269,6 +269,42 @@ class ChunkMemory:
     def _pool(self, tier: Tier) -> BufferPool:
         return self.device_pool if tier is Tier.DEVICE else self.host_pool
 
+    def _idle_tier(self, tier: Tier) -> Tier:
+        """The tier whose budget a pool's idle buffers count in (host memory, where the device
+        tier is host memory too)."""
+        return tier if self._separate else Tier.HOST
+
+    def _take(self, tier: Tier, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer for a part about to be counted in ``tier``: an idle one of the pool (no longer
+        counted as idle) or a new one."""
+        pool = self._pool(tier)
+        if pool.has(numel, dtype):
+            buffer = pool.take(numel, dtype)
+            self.ledger.credit(self._idle_tier(tier), buffer.numel() * buffer.element_size(), "idle", "pool take")
+            return buffer
+        return pool.take(numel, dtype)
+
+    def _give(self, tier: Tier, buffer: torch.Tensor) -> None:
+        """A buffer a part no longer uses: kept idle for the next part of its size while the
+        budget has room for it (idle buffers count as memory held), else freed."""
+        idle = self._idle_tier(tier)
+        nbytes = buffer.numel() * buffer.element_size()
+        pool = self._pool(tier)
+        if pool.room_for(buffer) and self.ledger.free(idle) >= nbytes:
+            pool.give(buffer)
+            self.ledger.charge(idle, nbytes, "idle", "pool give")
+
+    def _drop_idle(self, tier: Tier) -> bool:
+        """Free the idle buffers counted in ``tier``; whether there were any."""
+        freed = False
+        for pool_tier in (Tier.DEVICE, Tier.HOST):
+            pool = self._pool(pool_tier)
+            if self._idle_tier(pool_tier) is tier and pool.idle_bytes():
+                self.ledger.credit(tier, pool.idle_bytes(), "idle", "pool cleared")
+                pool.clear()
+                freed = True
+        return freed
+
     def _hold(self, part: Part) -> None:
         self._held[part.name] += 1
 
@@ -300,14 +336,14 @@ class ChunkMemory:
         old = part.tensor
         assert old is not None
         if self._separate:
-            new = self._pool(tier).take(part.numel, part.dtype)
+            new = self._take(tier, part.numel, part.dtype)
             new.copy_(old, non_blocking=False)
         else:
             new = old
         part.move_to(Residence.DEVICE if tier is Tier.DEVICE else Residence.HOST)
         part.tensor = new
         if self._separate:
-            self._pool(Tier.HOST if tier is Tier.DEVICE else Tier.DEVICE).give(old)
+            self._give(Tier.HOST if tier is Tier.DEVICE else Tier.DEVICE, old)
 
     def _send(self, part: Part, tier: Tier) -> None:
         """Move ``part`` down to ``tier``."""
@@ -327,7 +363,7 @@ class ChunkMemory:
             buffer = part.tensor
             part.move_to(Residence.DISK)
             part.tensor = None
-            self.host_pool.give(buffer)
+            self._give(Tier.HOST, buffer)
             return
         part.move_to(Residence.WRITING)
         self._transfers[part.name] = self.disk.write(part.name, part.tensor)
@@ -342,7 +378,7 @@ class ChunkMemory:
             self._make_room(Tier.HOST, part.nbytes, part.name, keep_within)
         finally:
             self._unhold(part)
-        buffer = self.host_pool.take(part.numel, part.dtype)
+        buffer = self._take(Tier.HOST, part.numel, part.dtype)
         part.move_to(Residence.READING)
         part.tensor = buffer
         transfer = self.disk.read(part.name, buffer)
@@ -363,7 +399,7 @@ class ChunkMemory:
                 part.file_valid = True
                 part.move_to(Residence.DISK)
                 if buffer is not None:
-                    self.host_pool.give(buffer)
+                    self._give(Tier.HOST, buffer)
             elif part.residence is Residence.WRITING:  # the values are still in the host buffer
                 part.move_to(Residence.HOST)
             raise
@@ -376,7 +412,7 @@ class ChunkMemory:
             part.move_to(Residence.DISK)
             part.tensor = None
             if buffer is not None:
-                self.host_pool.give(buffer)
+                self._give(Tier.HOST, buffer)
 
     def _reap(self) -> None:
         """Record the disk transfers that have finished."""
@@ -399,6 +435,8 @@ class ChunkMemory:
         if budget is not None and nbytes > budget:
             raise BudgetError(f"{what} needs {_mib(nbytes)} but gemini's {tier.value} budget is {_mib(budget)}")
         while self.ledger.free(tier) < nbytes:
+            if self._drop_idle(tier):
+                continue
             candidates = [
                 p for p in self.parts
                 if p.residence.tier is tier and p.residence not in (Residence.WRITING, Residence.READING)

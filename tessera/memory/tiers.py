@@ -157,13 +157,20 @@ class TierLedger:
 class BufferPool:
     """Flat buffers of a few fixed sizes, reused instead of freed: parts of equal size take
     turns in the same memory, so moving chunks in and out does not fragment the heap (on CPU
-    the resident size would otherwise creep above what is alive)."""
+    the resident size would otherwise creep above what is alive). The manager counts the idle
+    buffers in its ledger and frees them first when a tier needs room."""
 
-    def __init__(self, device: torch.device, pin: bool = False, keep: int = 2) -> None:
+    def __init__(self, device: torch.device, pin: bool = False, keep: int = 1) -> None:
         self.device = device
         self.pin = pin
         self.keep = keep  # free buffers kept per size (the rest go back to the allocator)
         self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+
+    def has(self, numel: int, dtype: torch.dtype) -> bool:
+        return bool(self._free.get((numel, dtype)))
+
+    def room_for(self, buffer: torch.Tensor) -> bool:
+        return len(self._free[(buffer.numel(), buffer.dtype)]) < self.keep
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         free = self._free.get((numel, dtype))
@@ -172,9 +179,8 @@ class BufferPool:
         return torch.empty(numel, dtype=dtype, device=self.device, pin_memory=self.pin)
 
     def give(self, buffer: torch.Tensor) -> None:
-        free = self._free[(buffer.numel(), buffer.dtype)]
-        if len(free) < self.keep:
-            free.append(buffer)
+        """Keep ``buffer`` for reuse (the caller checked :meth:`room_for`)."""
+        self._free[(buffer.numel(), buffer.dtype)].append(buffer)
 
     def idle_bytes(self) -> int:
         """Bytes of the free buffers kept for reuse."""
