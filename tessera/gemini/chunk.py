@@ -36,6 +36,8 @@ class TieredChunk(Chunk):
     def gather(self, async_op: bool = False) -> None:
         memory, part = self.memory, self.part
         if memory is None or part is None or self.state is not ChunkState.SHARDED:
+            if memory is not None:
+                memory.forget_retained(self)  # in use again: no longer free to let go
             super().gather(async_op)
             return
         try:
@@ -58,6 +60,12 @@ class TieredChunk(Chunk):
             self.shard = _NOTHING
 
     def release(self) -> None:
+        memory = self.memory
+        if memory is not None and memory.retaining and self.state is ChunkState.GATHERED:
+            memory.retain(self)  # kept gathered for the backward pass while the device has room
+            return
+        if memory is not None:
+            memory.forget_retained(self)
         was_held = self.state is not ChunkState.SHARDED and not self.keep_full
         super().release()
         if was_held and self._counted and self.memory is not None:

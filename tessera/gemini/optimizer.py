@@ -41,6 +41,7 @@ from tessera.memory.deferred import set_data
 from tessera.memory.disk import DiskIO
 from tessera.memory.manager import ChunkMemory
 from tessera.memory.placement import AutoPolicy, StaticPolicy
+from tessera.memory.report import trim_heap
 from tessera.memory.search import plan, search_chunk_numel
 from tessera.memory.tiers import BudgetError, Part, Residence, Tier, TierLedger
 from tessera.optim.norms import norm_from_slot_squares
@@ -143,6 +144,8 @@ class GeminiOptimizer(WrapsOptimizer):
         self._install_pieces(entries)
         # gradients and norms
         self._buckets: dict[int, torch.Tensor] = {}
+        self._in_flight: list[tuple[TieredChunk, Any, torch.Tensor]] = []
+        self.memory.on_pressure.append(self._finish_oldest)
         self._ready: dict[int, int] = {}
         self._has_grad: set[int] = set()
         self._slot_sq = torch.zeros(len(entries), dtype=torch.float32, device=ctx.device)
@@ -274,6 +277,7 @@ class GeminiOptimizer(WrapsOptimizer):
         """During backward: ``p``'s gradient goes into its chunk's bucket; a complete bucket is
         reduce-scattered and added to the chunk's fp32 gradients."""
         chunk, slot = self._slot_of[id(p)]
+        self.memory.retaining = False  # the backward has begun: chunks are released once reduced
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._callback_queued = True
@@ -296,23 +300,40 @@ class GeminiOptimizer(WrapsOptimizer):
         return (chunk.padded_numel + chunk.shard_numel) * element
 
     def _reduce_bucket(self, chunk: TieredChunk) -> None:
+        """Start the chunk's reduce-scatter; at most two run while the backward goes on."""
         bucket = self._buckets.pop(chunk.index)
         out = torch.empty(chunk.shard_numel, dtype=self.param_dtype, device=bucket.device)
-        comm.reduce_scatter_into(out, bucket, self.group, op="avg")
-        del bucket
-        grads = self._parts[chunk.index]["grads"]
-        fresh = grads.residence is Residence.EMPTY
-        g = self.memory.need(grads, self._work_tier(grads))
-        if fresh:
-            g.copy_(out)
-        else:
-            g.add_(out.to(g.device, torch.float32))
-        self.memory.dirty(grads)
-        if self._final:  # the step's gradients are complete: their per-parameter squares
-            self._add_squares(chunk, g)
-        self.memory.done(grads)
-        self.memory.unreserve(Tier.DEVICE, self._bucket_bytes(chunk), "bucket", f"chunk{chunk.index} reduced")
-        chunk.release()
+        pending = comm.reduce_scatter_into(out, bucket, self.group, op="avg", async_op=True)
+        self._in_flight.append((chunk, pending, bucket))
+        self._drain(keep=2)
+
+    def _finish_oldest(self) -> bool:
+        """Under memory pressure: finish the oldest reduction in flight (its bucket is freed)."""
+        if not self._in_flight:
+            return False
+        self._drain(keep=len(self._in_flight) - 1)
+        return True
+
+    def _drain(self, keep: int = 0) -> None:
+        """Finish the reduce-scatters in flight (all but the newest ``keep``): each chunk's
+        reduced shard is added to its fp32 gradients, and the chunk is released."""
+        while len(self._in_flight) > keep:
+            chunk, pending, bucket = self._in_flight.pop(0)
+            out = pending.wait()
+            del bucket
+            grads = self._parts[chunk.index]["grads"]
+            fresh = grads.residence is Residence.EMPTY
+            g = self.memory.need(grads, self._work_tier(grads))
+            if fresh:
+                g.copy_(out)
+            else:
+                g.add_(out.to(g.device, torch.float32))
+            self.memory.dirty(grads)
+            if self._final:  # the step's gradients are complete: their per-parameter squares
+                self._add_squares(chunk, g)
+            self.memory.done(grads)
+            self.memory.unreserve(Tier.DEVICE, self._bucket_bytes(chunk), "bucket", f"chunk{chunk.index} reduced")
+            chunk.release()
 
     def _add_squares(self, chunk: TieredChunk, grad: torch.Tensor) -> None:
         pieces = [(slot, a, b) for _, slot, a, b in self._pieces[chunk.index] if slot.index in self._has_grad]
@@ -326,6 +347,7 @@ class GeminiOptimizer(WrapsOptimizer):
         for chunk in self.chunks:
             if chunk.index in self._buckets:
                 self._reduce_bucket(chunk)
+        self._drain()
         self._ready.clear()
         self._callback_queued = False
 
@@ -354,6 +376,7 @@ class GeminiOptimizer(WrapsOptimizer):
         """Step every chunk where it lives (see the module docstring)."""
         for chunk in self.chunks:
             self._step_chunk(chunk)
+        trim_heap()  # the activations freed since the forward go back to the system, not into holes
         self._factors.clear()
         self._has_grad.clear()
         self._slot_sq.zero_()
@@ -512,12 +535,13 @@ class GeminiOptimizer(WrapsOptimizer):
         self.memory.rebalance()
 
     def groups(self, room: float) -> list[list[int]]:
-        """Chunk indices in runs whose masters (and, with bf16/fp16, parameters) fit in
-        ``room`` bytes together."""
+        """Chunk indices in runs whose masters (and, with bf16/fp16, parameters) that are not in
+        memory yet fit in ``room`` bytes together."""
         out: list[list[int]] = [[]]
         used = 0.0
         for chunk, parts in zip(self.chunks, self._parts):
-            size = parts["params"].nbytes + (parts["master"].nbytes if self.separate_master else 0)
+            kinds = ("params", "master") if self.separate_master else ("params",)
+            size = sum(parts[k].nbytes for k in kinds if parts[k].tensor is None)  # in memory already: no room
             if out[-1] and used + size > room:
                 out.append([])
                 used = 0.0
@@ -535,7 +559,8 @@ class GeminiOptimizer(WrapsOptimizer):
             try:
                 for i in indices:
                     master_part = self._parts[i]["master" if self.separate_master else "params"]
-                    master = self.memory.need(master_part, Tier.HOST, fill=False)
+                    where = Tier.DEVICE if master_part.residence is Residence.DEVICE else Tier.HOST
+                    master = self.memory.need(master_part, where, fill=False)
                     taken.append(master_part)
                     master.zero_()  # the padding too: every element has a value
                     for piece, _, a, b in self._pieces[i]:

@@ -41,6 +41,7 @@ class Gemini(Strategy):
         self.name = f"gemini({options.placement})"
         self.tracer = MemoryTracer(module, ctx.device, self._is_model, self._model_device_bytes)
         self.trace: Trace | None = None
+        self.groups_planned = 0  # chunk groups of the last checkpoint_groups() (a deferred model's filling)
 
     def _is_model(self, tensor: torch.Tensor) -> bool:
         ptr = tensor.untyped_storage().data_ptr()
@@ -54,6 +55,7 @@ class Gemini(Strategy):
     # ---- forward and backward ----------------------------------------------------------------
     def forward(self, *args: Any, final: bool = True, **kwargs: Any) -> Any:
         self.sharded.set_final(final)
+        self.memory.retaining = torch.is_grad_enabled()  # keep chunks gathered for the backward if room
         if self.trace is None and torch.is_grad_enabled():
             if self.memory.recording is None:  # the warm-up step begins
                 self.memory.start_trace()
@@ -132,12 +134,13 @@ class Gemini(Strategy):
         return held + module_tensors(self.module, lambda p: id(p) not in stepped)
 
     def checkpoint_groups(self) -> list[AbstractContextManager[list[HeldTensor]]]:
-        """Chunks in groups that fit in host memory (half the host budget, as the rest is for
-        parts passing through), so that a deferred model is never whole on this rank."""
+        """Chunks in groups whose parts not yet in memory fit in the host room left (less what
+        parts passing through need), so that a deferred model is never whole on this rank."""
         sharded = self.sharded
         host = sharded.ledger.budget[Tier.HOST]
-        room = float("inf") if host is None else max(1.0, (host - sharded.policy_host_reserve) / 2)
+        room = float("inf") if host is None else max(1.0, sharded.ledger.free(Tier.HOST) - sharded.policy_host_reserve)
         groups = sharded.groups(room)
+        self.groups_planned = len(groups)
         stepped = {id(p) for p in sharded.params}
         others = module_tensors(self.module, lambda p: id(p) not in stepped)
         return [self._group(indices, others if n == 0 else []) for n, indices in enumerate(groups)]

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -110,6 +110,13 @@ class ChunkMemory:
         self.timeline: Timeline | None = None
         self.cursor = 0  # position in the timeline of the latest use
         self._untraced = 0
+        # gathered chunks a training forward pass let go of, kept for its backward while the
+        # device has room (released first, oldest first, when room is needed)
+        self.retaining = False
+        self._retained: dict[int, Any] = {}
+        # callables that free some device working memory (a reduction in flight finishing and
+        # giving its bucket back); each returns whether it freed anything
+        self.on_pressure: list[Callable[[], bool]] = []
 
     # ---- parts ---------------------------------------------------------------------------
     def add(self, part: Part) -> Part:
@@ -208,6 +215,26 @@ class ChunkMemory:
 
     def unreserve(self, tier: Tier, nbytes: int, kind: str, what: str) -> None:
         self.ledger.credit(tier, nbytes, kind, what)
+
+    def retain(self, chunk: Any) -> None:
+        """Keep ``chunk`` (a gathered chunk with ``release()``) until room is needed."""
+        self._retained[id(chunk)] = chunk
+
+    def forget_retained(self, chunk: Any) -> None:
+        self._retained.pop(id(chunk), None)
+
+    def release_retained(self) -> bool:
+        """Release the oldest retained chunk; whether there was one."""
+        if not self._retained:
+            return False
+        key = next(iter(self._retained))
+        chunk = self._retained.pop(key)
+        retaining, self.retaining = self.retaining, False
+        try:
+            chunk.release()
+        finally:
+            self.retaining = retaining
+        return True
 
     def rebalance(self) -> None:
         """Move parts down until every tier is within its budget again (after a block that
@@ -436,6 +463,8 @@ class ChunkMemory:
             raise BudgetError(f"{what} needs {_mib(nbytes)} but gemini's {tier.value} budget is {_mib(budget)}")
         while self.ledger.free(tier) < nbytes:
             if self._drop_idle(tier):
+                continue
+            if tier is Tier.DEVICE and (self.release_retained() or any(give() for give in self.on_pressure)):
                 continue
             candidates = [
                 p for p in self.parts

@@ -136,6 +136,15 @@ class Strategy:
         one group in memory at a time). Default: one group, all of them."""
         return [nullcontext(self.checkpoint_tensors())]
 
+    def report(self) -> dict[str, Any]:
+        """What the strategy can tell of its memory beyond :meth:`memory_parts` (Gemini: chunks,
+        utilisation, bytes per tier); empty by default."""
+        return {}
+
+    def close(self) -> None:
+        """Release what the strategy holds outside the process (Gemini: its offload files);
+        nothing by default. The strategy is not used after."""
+
     def holds(self, param: torch.Tensor) -> bool:
         """Whether this rank trains (and so saves and loads) ``param``. Default: every one."""
         return True

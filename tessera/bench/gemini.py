@@ -1,0 +1,391 @@
+"""``tessera bench gemini``: Gemini against DeepSpeed ZeRO-3 with CPU and with NVMe offload, on
+CPU, and a model several times the host budget trained within it.
+
+Rows:
+
+- ``gemini vs cpu offload``: tessera's Gemini (``auto`` placement, a device budget of half the
+  rank's model state, host memory unbounded) against DeepSpeed ZeRO-3 with parameters and
+  optimizer states offloaded to the CPU (``DeepSpeedCPUAdam``);
+- ``gemini vs nvme offload``: Gemini (``auto``, the same device budget, a host budget of a
+  quarter of the state, the rest on disk) against DeepSpeed ZeRO-3 with parameters and
+  optimizer states on NVMe (its async I/O op needs ``libaio-dev``).
+
+Every side trains the same GPT (same seed and initial weights) with AdamW on the same
+micro-batches on the same 2 ranks (gloo, one thread per rank). Step time: both sides of a row are
+built in one rank pool and timed in alternating blocks (``tessera.bench.timing``); the median
+over blocks. Peak RSS: each side in a fresh pool, warmed up on a miniature model first, the
+largest over the ranks of the peak above the baseline while it sets up and trains (VmHWM,
+reset through ``/proc/self/clear_refs``), as in ``tessera bench zero``.
+
+``budget``: a GPT whose fp32 parameters, gradients and Adam states need more than 4x the host
+budget trains 3 steps on one rank under Gemini with a disk tier (static placement, everything
+homed off the device), built deferred; its peak RSS is compared with the bound the
+issue sets: the baseline RSS (torch and tessera imported) + the host budget + 25% + one
+micro-batch's activations (the tracer's figure). Its losses are compared with single-process
+PyTorch run in a separate process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import statistics
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tessera.bench.report import Row, print_rows, write_rows
+from tessera.bench.timing import alternate
+from tessera.bench.zero_sides import LossFn, StepFn, Workload, batches_of, deepspeed_available, model_of
+
+_MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Side:
+    """``system``: "tessera" (Gemini) or "deepspeed"; ``offload``: "cpu" or "nvme"."""
+
+    system: str
+    offload: str
+
+    @property
+    def label(self) -> str:
+        if self.system == "tessera":
+            return "tessera gemini auto" + (" +disk" if self.offload == "nvme" else "")
+        return f"DeepSpeed ZeRO-3 {self.offload} offload"
+
+
+ROWS = {"cpu": (Side("tessera", "cpu"), Side("deepspeed", "cpu")),
+        "nvme": (Side("tessera", "nvme"), Side("deepspeed", "nvme"))}  # fmt: skip
+
+
+def state_bytes_per_rank(w: Workload, world: int) -> int:
+    """fp32 parameters, gradients and Adam's two states of the workload's GPT, per rank."""
+    import tessera
+
+    with tessera.deferred_init():
+        model = model_of(w)
+    return 16 * sum(p.numel() for p in model.parameters()) // world
+
+
+def build(side: Side, w: Workload, folder: str) -> tuple[StepFn, LossFn, Any]:
+    """``side`` on this rank: a training step, the loss of a batch, and a closer."""
+    world = torch.distributed.get_world_size()
+    if side.system == "tessera":
+        return _build_gemini(side, w, folder, world)
+    return _build_deepspeed(side, w, folder, world)
+
+
+def _build_gemini(side: Side, w: Workload, folder: str, world: int) -> tuple[StepFn, LossFn, Any]:
+    import tessera
+    from tessera.models import NextTokenLoss
+    from tessera.testing import use_layout
+
+    state = state_bytes_per_rank(w, world)
+    gemini: dict[str, Any] = {"placement": "auto", "device_budget": state // 2 + 64 * _MIB}
+    if side.offload == "nvme":
+        gemini.update(host_budget=max(state // 4, 8 * _MIB), offload_dir=folder)
+    if w.miniature:
+        gemini = {"enabled": True, "placement": "auto"}
+    use_layout(config={"parallel": {"data": world}, "gemini": gemini})
+    with tessera.deferred_init():
+        model = model_of(w)
+    engine, *_ = tessera.initialize(model, torch.optim.AdamW(model.parameters(), lr=w.lr), NextTokenLoss())
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        engine.train_batch(iter([(x, y)]))
+
+    def loss(x: torch.Tensor, y: torch.Tensor) -> float:
+        with torch.no_grad():
+            return float(engine.criterion(engine(x), y))
+
+    return step, loss, engine.strategy.close
+
+
+def _build_deepspeed(side: Side, w: Workload, folder: str, world: int) -> tuple[StepFn, LossFn, Any]:
+    from tessera.bench.zero_anchors import _deepspeed
+    from tessera.models import NextTokenLoss
+
+    deepspeed = _deepspeed(load_cpu_adam=True)
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    model = model_of(w)
+    where: dict[str, Any] = {"device": side.offload, "pin_memory": False}
+    if side.offload == "nvme":
+        where["nvme_path"] = folder
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": w.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": w.micro_batch * world,
+        "zero_optimization": {"stage": 3, "offload_param": dict(where), "offload_optimizer": dict(where)},
+        "gradient_clipping": 0.0,
+        "steps_per_print": 2**31 - 1,
+    }
+    if side.offload == "nvme":
+        config["aio"] = {"block_size": 2**20, "queue_depth": 8, "single_submit": False, "overlap_events": True}
+    optimizer = DeepSpeedCPUAdam(model.parameters(), lr=w.lr, weight_decay=0.01, adamw_mode=True)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    criterion = NextTokenLoss()
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        engine.backward(criterion(engine(x), y))
+        engine.step()
+
+    def loss(x: torch.Tensor, y: torch.Tensor) -> float:
+        with torch.no_grad():
+            return float(criterion(engine(x), y).float())
+
+    return step, loss, lambda: None
+
+
+def _prepare(side: Side) -> None:
+    if side.system == "deepspeed":
+        from tessera.bench.zero_anchors import _deepspeed
+
+        _deepspeed(load_cpu_adam=True)
+
+
+def timing_body(pair: tuple[Side, Side], w: Workload, blocks: int, steps: int) -> dict[str, Any]:
+    """Both sides of a row built on this rank, timed in alternating blocks, then evaluated."""
+    from tessera.testing import use_layout
+
+    world = use_layout(config={}).group("world")
+    built = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for side in pair:
+            _prepare(side)
+            built[side] = build(side, w, f"{folder}/{side.system}")
+        batches = batches_of(w, world.rank, steps)
+
+        def block_of(step: StepFn) -> Any:
+            def block() -> None:
+                for x, y in batches:
+                    step(x, y)
+
+            return block
+
+        blocks_by_side = {side.label: block_of(step) for side, (step, _, _) in built.items()}
+        for block in blocks_by_side.values():  # warm-up (Gemini's trace, DeepSpeed's buffers)
+            block()
+        times = alternate(blocks_by_side, blocks, steps, world)
+        x, y = batches[0]
+        losses = {side.label: loss(x, y) for side, (_, loss, _) in built.items()}
+        for _, _, close in built.values():
+            close()
+    return {"times": times, "losses": losses}
+
+
+def memory_body(side: Side, w: Workload, steps: int) -> int | None:
+    """This rank's peak RSS above its baseline while ``side`` sets up and trains ``steps`` steps
+    (a fresh pool; warmed up on a miniature model first)."""
+    from tessera.memory.report import peak_rss_bytes, reset_peak_rss, trim_heap
+    from tessera.testing import use_layout
+
+    world = use_layout(config={}).group("world")
+    _prepare(side)
+    batches = batches_of(w, world.rank, steps)
+    with tempfile.TemporaryDirectory() as folder:
+        step, _, close = build(side, dataclasses.replace(w, miniature=True), f"{folder}/warm")
+        for x, y in batches:
+            step(x, y)
+        close()
+        del step
+        gc.collect()
+        trim_heap()
+        if not reset_peak_rss():
+            return None
+        base = peak_rss_bytes()
+        step, _, close = build(side, w, f"{folder}/run")
+        for x, y in batches:
+            step(x, y)
+        peak = peak_rss_bytes()
+        close()
+    return None if base is None or peak is None else peak - base
+
+
+# ---- a model several times the host budget ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BudgetRun:
+    """The GPT of the budget run (``n_layers`` blocks of width ``d_model``) and the host budget."""
+
+    d_model: int = 256
+    n_layers: int = 33
+    seq_len: int = 64
+    micro_batch: int = 4
+    host_budget: int = 96 * _MIB
+    steps: int = 3
+
+    def model(self) -> torch.nn.Module:
+        from tessera.models import gpt
+
+        torch.manual_seed(0)
+        heads = 8 if self.d_model % 8 == 0 else 1
+        return gpt("small", max_seq_len=self.seq_len, d_model=self.d_model, n_layers=self.n_layers, n_heads=heads)
+
+    def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return batches_of(Workload("small", self.seq_len, self.micro_batch), 0, self.steps)
+
+
+def budget_body(run: BudgetRun) -> dict[str, Any]:
+    """One rank: baseline RSS, then the deferred GPT under Gemini with a disk tier for
+    ``run.steps`` steps; the peak RSS, the losses, the tracer's activations and the tiers."""
+    import tessera
+    from tessera.memory.report import peak_rss_bytes, reset_peak_rss, trim_heap
+    from tessera.models import NextTokenLoss
+    from tessera.testing import use_layout
+
+    # the runtime first: the same code paths once on a miniature GPT (imports, the process group,
+    # deferred init's and autograd's one-time set-up), so that the baseline holds them
+    with tempfile.TemporaryDirectory() as folder:
+        use_layout(config={"gemini": {"placement": "static", "offload_dir": folder}})
+        with tessera.deferred_init():
+            tiny = dataclasses.replace(run, d_model=16, n_layers=1).model()
+        warm, *_ = tessera.initialize(tiny, torch.optim.AdamW(tiny.parameters(), lr=1e-3), NextTokenLoss())
+        for batch in run.batches():
+            warm.train_batch(iter([batch]))
+        warm.strategy.close()
+        del warm, tiny
+    gc.collect()
+    trim_heap()
+    reset_peak_rss()
+    baseline = peak_rss_bytes()
+    with tempfile.TemporaryDirectory() as folder:
+        gemini = {
+            "placement": "static",
+            "params_offload": 1.0,
+            "optimizer_offload": 1.0,
+            "device_budget": run.host_budget // 5,
+            "host_budget": run.host_budget,
+            "offload_dir": folder,
+        }
+        use_layout(config={"gemini": gemini})
+        with tessera.deferred_init():
+            model = run.model()
+        params = sum(p.numel() for p in model.parameters())
+        engine, *_ = tessera.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), NextTokenLoss())
+        losses = [engine.train_batch(iter([b])) for b in run.batches()]
+        peak = peak_rss_bytes()
+        report = engine.strategy.report()
+        engine.strategy.close()
+    return {"baseline": baseline, "peak": peak, "losses": losses, "params": params, "report": report}
+
+
+def reference_body(run: BudgetRun) -> dict[str, Any]:
+    """The same steps in plain single-process PyTorch (a process with enough memory), and what
+    one micro-batch's forward pass adds to its peak RSS there: the activations."""
+    from tessera.memory.report import peak_rss_bytes, reset_peak_rss, trim_heap
+    from tessera.models import NextTokenLoss
+
+    model = run.model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, activations = [], 0
+    for x, y in run.batches():
+        optimizer.zero_grad()
+        gc.collect()
+        trim_heap()
+        reset_peak_rss()
+        before = peak_rss_bytes() or 0
+        loss = NextTokenLoss()(model(x), y)
+        activations = max(activations, (peak_rss_bytes() or 0) - before)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "activation_bytes": activations}
+
+
+def budget_rows(run: BudgetRun) -> tuple[list[Row], dict[str, Any]]:
+    from tessera.testing import RankPool
+
+    outcome: dict[str, Any] = {}
+    for name, body in (("gemini", budget_body), ("reference", reference_body)):
+        pool = RankPool(1)  # a fresh process each: its own baseline and peak
+        try:
+            outcome[name] = pool.run(body, run, timeout=1800)[0]
+        finally:
+            pool.close()
+    ours = outcome["gemini"]
+    activations = outcome["reference"]["activation_bytes"]  # measured in plain PyTorch
+    bound = ours["baseline"] + 1.25 * run.host_budget + activations
+    state = 16 * ours["params"]
+    name = f"budget gpt d{run.d_model} L{run.n_layers} state {state / run.host_budget:.1f}x host"
+    rows = [Row(name, "peak_rss_bytes", float(ours["peak"]), "base+1.25 host+act", float(bound))]
+    outcome["state_bytes"] = state
+    outcome["bound"] = bound
+    return rows, outcome
+
+
+# ---- the rows ------------------------------------------------------------------------------------
+
+
+def run(
+    w: Workload | None = None, world: int = 2, blocks: int = 6, steps: int = 2, memory_steps: int = 3,
+    rows_wanted: tuple[str, ...] = ("cpu", "nvme"), losses: dict[str, float] | None = None,
+) -> list[Row]:  # fmt: skip
+    """Step time and peak RSS rows for each wanted row ("cpu", "nvme")."""
+    from tessera.testing import RankPool
+
+    w = w or Workload("small", 64, 4)
+    rows: list[Row] = []
+    for key in rows_wanted:
+        pair = ROWS[key]
+        pool = RankPool(world)
+        try:
+            out = pool.run(timing_body, pair, w, blocks, steps, timeout=3600)[0]
+        finally:
+            pool.close()
+        if losses is not None:
+            losses.update(out["losses"])
+        peaks = {}
+        for side in pair:
+            pool = RankPool(world)
+            try:
+                grown = pool.run(memory_body, side, w, memory_steps, timeout=1800)
+            finally:
+                pool.close()
+            if all(g is not None for g in grown):
+                peaks[side.label] = max(g for g in grown if g is not None)
+        ours, theirs = pair
+        name = f"gemini vs {key} dp{world} {w.tag}"
+        rows.append(Row(name, "step_time_s", statistics.median(out["times"][ours.label]), theirs.label,
+                        statistics.median(out["times"][theirs.label])))  # fmt: skip
+        if ours.label in peaks and theirs.label in peaks:
+            rows.append(Row(name, "peak_rss_bytes", float(peaks[ours.label]), theirs.label, float(peaks[theirs.label])))
+    return rows
+
+
+def main(args: argparse.Namespace) -> int:
+    rows: list[Row] = []
+    losses: dict[str, float] = {}
+    if deepspeed_available():
+        rows += run(losses=losses)
+    else:
+        print("DeepSpeed is not installed: its rows are absent (pip install 'tessera[bench]' to add them)")
+    budget, outcome = budget_rows(BudgetRun())
+    rows += budget
+    print_rows(rows)
+    if losses:
+        print("loss on one micro-batch after training (the sides should agree):")
+        for label, value in losses.items():
+            print(f"  {label:<36} {value:.6f}")
+    ours, reference = outcome["gemini"], outcome["reference"]
+    print(
+        f"budget run: {ours['params']:,} parameters, {outcome['state_bytes'] / _MIB:.0f} MiB of fp32 state, host budget "
+        f"{BudgetRun().host_budget / _MIB:.0f} MiB; baseline RSS {ours['baseline'] / _MIB:.0f} MiB, peak "
+        f"{ours['peak'] / _MIB:.0f} MiB, bound {outcome['bound'] / _MIB:.0f} MiB (one micro-batch's activations: "
+        f"{reference['activation_bytes'] / _MIB:.1f} MiB of forward growth in plain PyTorch, "
+        f"{(ours['report']['activation_bytes'] or 0) / _MIB:.1f} MiB saved for backward by the tracer's count); "
+        f"disk written {ours['report']['disk_written_bytes'] / _MIB:.0f} MiB"
+    )
+    print("  losses gemini   ", " ".join(f"{v:.6f}" for v in ours["losses"]))
+    print("  losses reference", " ".join(f"{v:.6f}" for v in reference["losses"]))
+    if args.out:
+        write_rows(rows, args.out)
+    return 0
+
+
+__all__ = ["ROWS", "BudgetRun", "Side", "budget_rows", "main", "run"]
