@@ -85,7 +85,7 @@ def _build_gemini(side: Side, w: Workload, folder: str, world: int) -> tuple[Ste
     from tessera.testing import use_layout
 
     state = state_bytes_per_rank(w, world)
-    gemini: dict[str, Any] = {"placement": "auto", "device_budget": state // 2 + 64 * _MIB}
+    gemini: dict[str, Any] = {"placement": "auto", "device_budget": state // 2 + 64 * _MIB, "chunk_mb": 4}
     if side.offload == "nvme":
         gemini.update(host_budget=max(state // 4, 8 * _MIB), offload_dir=folder)
     if w.miniature:

@@ -36,7 +36,7 @@ from tessera.context.placement import Placement, ZeroSlot, placement_of, set_pla
 from tessera.errors import ConfigError
 from tessera.gemini.chunk import TieredChunk
 from tessera.gemini.options import GeminiOptions
-from tessera.memory.chunks import ChunkStore, Slot, WholeStateDict
+from tessera.memory.chunks import ChunkState, ChunkStore, Slot, WholeStateDict
 from tessera.memory.deferred import set_data
 from tessera.memory.disk import DiskIO
 from tessera.memory.manager import ChunkMemory
@@ -144,6 +144,7 @@ class GeminiOptimizer(WrapsOptimizer):
         self._install_pieces(entries)
         # gradients and norms
         self._buckets: dict[int, torch.Tensor] = {}
+        self._written: dict[int, set[int]] = {}  # chunk index -> slots whose gradient is in its bucket
         self._in_flight: list[tuple[TieredChunk, Any, torch.Tensor]] = []
         self.memory.on_pressure.append(self._finish_oldest)
         self._ready: dict[int, int] = {}
@@ -277,20 +278,21 @@ class GeminiOptimizer(WrapsOptimizer):
         """During backward: ``p``'s gradient goes into its chunk's bucket; a complete bucket is
         reduce-scattered and added to the chunk's fp32 gradients."""
         chunk, slot = self._slot_of[id(p)]
-        self.memory.retaining = False  # the backward has begun: chunks are released once reduced
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._callback_queued = True
         bucket = self._buckets.get(chunk.index)
         if bucket is None:
             self.memory.reserve(Tier.DEVICE, self._bucket_bytes(chunk), "bucket", f"chunk{chunk.index} bucket")
-            bucket = self._buckets[chunk.index] = torch.zeros(
+            bucket = self._buckets[chunk.index] = torch.empty(
                 chunk.padded_numel, dtype=self.param_dtype, device=self.ctx.device
             )
+            bucket[chunk.numel :].zero_()  # the padding (parameters without a gradient: at the reduction)
         assert p.grad is not None
         bucket[slot.offset : slot.offset + slot.numel].copy_(p.grad.reshape(-1))
         p.grad = None
         self._has_grad.add(slot.index)
+        self._written.setdefault(chunk.index, set()).add(slot.index)
         self._ready[chunk.index] = self._ready.get(chunk.index, 0) + 1
         if self._ready[chunk.index] == self._trainable[chunk.index]:
             self._reduce_bucket(chunk)
@@ -302,6 +304,11 @@ class GeminiOptimizer(WrapsOptimizer):
     def _reduce_bucket(self, chunk: TieredChunk) -> None:
         """Start the chunk's reduce-scatter; at most two run while the backward goes on."""
         bucket = self._buckets.pop(chunk.index)
+        written = self._written.pop(chunk.index, set())
+        if len(written) < len(chunk.slots):  # parameters that got no gradient in this pass: zeros
+            for slot in chunk.slots:
+                if slot.index not in written:
+                    bucket[slot.offset : slot.offset + slot.numel].zero_()
         out = torch.empty(chunk.shard_numel, dtype=self.param_dtype, device=bucket.device)
         pending = comm.reduce_scatter_into(out, bucket, self.group, op="avg", async_op=True)
         self._in_flight.append((chunk, pending, bucket))
@@ -374,13 +381,28 @@ class GeminiOptimizer(WrapsOptimizer):
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> None:
         """Step every chunk where it lives (see the module docstring)."""
+        refreshing = []
         for chunk in self.chunks:
             self._step_chunk(chunk)
-        trim_heap()  # the activations freed since the forward go back to the system, not into holes
+            refreshing += self._refresh(chunk)  # overlaps the next chunks' steps
+        for chunk, pending in refreshing:
+            pending.wait()
+            assert chunk.part is not None
+            self.memory.done(chunk.part)
+        if self.ledger.budget[Tier.HOST] is not None:
+            trim_heap()  # the activations freed since the forward go back to the system, not into holes
         self._factors.clear()
         self._has_grad.clear()
         self._slot_sq.zero_()
         self.steps += 1
+
+    def _refresh(self, chunk: TieredChunk) -> list[tuple[TieredChunk, Any]]:
+        """A chunk still gathered (kept while the device had room) starts taking every member's
+        new shard, so that the next forward pass needs no gather for it; the caller waits."""
+        if chunk.state is not ChunkState.GATHERED or chunk.part is None:
+            return []
+        shard = self.memory.need(chunk.part, Tier.DEVICE)
+        return [(chunk, comm.all_gather_into(chunk.full, shard, self.group, async_op=True))]
 
     def _step_tier(self, parts: dict[str, Part]) -> Tier:
         """Device when the chunk's optimizer state is there (or, with the auto policy, when the
