@@ -71,6 +71,7 @@ BENCH_TARGETS: dict[str, str] = {  # name -> "module:function"; each strategy ad
     "zero": "tessera.bench.zero:main",
     "ckpt": "tessera.bench.ckpt:main",
     "init": "tessera.bench.init:main",
+    "gemini": "tessera.bench.gemini:main",
 }
 
 # name -> what it measures, how long it takes on 2 CPU cores, what it needs
@@ -85,6 +86,9 @@ BENCH_HELP: dict[str, str] = {
     "4 ranks, DDP and ZeRO-3 (about 1 min)",
     "init": "start-up peak memory and time of GPT-2 medium (355M) under deferred init vs a whole build, "
     "FSDP2 meta-device init and DeepSpeed zero.Init, 4 ranks, ZeRO-3 dp4, 1d tp4, pp4 (about 5 min)",
+    "gemini": "Gemini vs DeepSpeed ZeRO-3 with CPU and NVMe offload, 2 ranks, GPT small; and a GPT of 4x the "
+    "host budget trained within it through the disk tier, 1 rank (about 2 min); the DeepSpeed rows need the "
+    "bench extra, the NVMe row also libaio (apt install libaio-dev)",
 }
 
 

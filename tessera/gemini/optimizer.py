@@ -381,14 +381,12 @@ class GeminiOptimizer(WrapsOptimizer):
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> None:
         """Step every chunk where it lives (see the module docstring)."""
-        refreshing = []
+        refreshing: list[tuple[TieredChunk, Any]] = []
         for chunk in self.chunks:
             self._step_chunk(chunk)
             refreshing += self._refresh(chunk)  # overlaps the next chunks' steps
-        for chunk, pending in refreshing:
-            pending.wait()
-            assert chunk.part is not None
-            self.memory.done(chunk.part)
+            self._refreshed(refreshing, keep=2)
+        self._refreshed(refreshing, keep=0)
         if self.ledger.budget[Tier.HOST] is not None:
             trim_heap()  # the activations freed since the forward go back to the system, not into holes
         self._factors.clear()
@@ -396,11 +394,21 @@ class GeminiOptimizer(WrapsOptimizer):
         self._slot_sq.zero_()
         self.steps += 1
 
+    def _refreshed(self, refreshing: list[tuple[TieredChunk, Any]], keep: int) -> None:
+        """Finish the oldest refreshes until at most ``keep`` are in flight."""
+        while len(refreshing) > keep:
+            chunk, pending = refreshing.pop(0)
+            pending.wait()
+            assert chunk.part is not None
+            self.memory.done(chunk.part)
+            self.memory.retain(chunk)  # kept until room is needed
+
     def _refresh(self, chunk: TieredChunk) -> list[tuple[TieredChunk, Any]]:
         """A chunk still gathered (kept while the device had room) starts taking every member's
         new shard, so that the next forward pass needs no gather for it; the caller waits."""
         if chunk.state is not ChunkState.GATHERED or chunk.part is None:
             return []
+        self.memory.forget_retained(chunk)  # not let go while its gather is in flight
         shard = self.memory.need(chunk.part, Tier.DEVICE)
         return [(chunk, comm.all_gather_into(chunk.full, shard, self.group, async_op=True))]
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tessera.bench import dp, pp, tp, zero
+from tessera.bench import dp, gemini, pp, tp, zero
 from tessera.bench.report import Row, write_rows
 
 FIELDS = {"name", "metric", "value", "anchor", "anchor_value", "ratio"}
@@ -94,3 +94,24 @@ def test_bench_zero_says_when_deepspeed_is_absent(monkeypatch, capsys):
     assert zero.main(argparse.Namespace(ranks=2, out=None)) == 0
     assert calls[0]["ranks"] == [2] and calls[0]["with_deepspeed"] is False
     assert "DeepSpeed is not installed: its rows are absent" in capsys.readouterr().out
+
+
+def test_bench_gemini_rows(tmp_path):
+    from tessera.bench.zero_sides import Workload
+
+    # the budget run at a tiny size: a GPT of 4x the host budget through the disk tier, on one rank
+    run = gemini.BudgetRun(d_model=64, n_layers=4, seq_len=16, micro_batch=2, host_budget=800_000,
+                           device_budget=2_000_000, steps=2)  # fmt: skip
+    rows, outcome = gemini.budget_rows(run)
+    check(rows, tmp_path, {"peak_rss_bytes"})
+    assert outcome["state_bytes"] >= 4 * run.host_budget
+    assert outcome["gemini"]["report"]["disk_written_bytes"] > 0
+    assert outcome["gemini"]["losses"] == outcome["reference"]["losses"], "the same losses as plain PyTorch"
+    if not gemini.deepspeed_available():  # CI does not install the bench extra: no DeepSpeed rows
+        return
+    losses = {}
+    rows = gemini.run(Workload("tiny", 16, 2), blocks=2, steps=1, memory_steps=1, rows_wanted=("cpu",), losses=losses)
+    data = check(rows, tmp_path, {"step_time_s", "peak_rss_bytes"})
+    assert {row["anchor"] for row in data} == {"DeepSpeed ZeRO-3 cpu offload"}
+    ours, theirs = losses["tessera gemini auto"], losses["DeepSpeed ZeRO-3 cpu offload"]
+    assert abs(ours - theirs) <= 1e-5 * abs(theirs)
