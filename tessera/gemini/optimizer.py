@@ -41,7 +41,7 @@ from tessera.memory.deferred import set_data
 from tessera.memory.disk import DiskIO
 from tessera.memory.manager import ChunkMemory
 from tessera.memory.placement import AutoPolicy, StaticPolicy
-from tessera.memory.report import trim_heap
+from tessera.memory.report import map_large_allocations, trim_heap
 from tessera.memory.search import plan, search_chunk_numel
 from tessera.memory.tiers import BudgetError, Part, Residence, Tier, TierLedger
 from tessera.optim.norms import norm_from_slot_squares
@@ -113,6 +113,8 @@ class GeminiOptimizer(WrapsOptimizer):
             self.chunk_plan = plan([p.numel() for p in self.params], group_of, chunk_numel, self.group.size)
         # the memory: tiers, policy, disk
         self.ledger = TierLedger(options.device_budget, options.host_budget, keep_samples=options.keep_samples)
+        if options.host_budget is not None:  # freed buffers go back to the system: RSS follows the ledger
+            map_large_allocations()
         self.policy: StaticPolicy | AutoPolicy = (
             StaticPolicy(options.params_offload, options.optimizer_offload)
             if options.placement == "static"
@@ -357,6 +359,8 @@ class GeminiOptimizer(WrapsOptimizer):
         self._drain()
         self._ready.clear()
         self._callback_queued = False
+        if self.ledger.budget[Tier.HOST] is not None:
+            trim_heap()  # the activations just freed go back to the system before the step reads parts
 
     def _work_tier(self, part: Part) -> Tier:
         """Where a part is used outside the step: its home's memory (static), else the device."""

@@ -98,3 +98,25 @@ def trim_heap() -> None:
 
 
 _malloc_trim: Any = None
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def map_large_allocations(threshold: int = 256 * 1024) -> bool:
+    """Serve every allocation of ``threshold`` bytes or more with its own memory mapping, which
+    goes back to the system as soon as it is freed (glibc; returns whether it could). glibc
+    starts so, but raises the threshold each time such a block is freed, after which large
+    blocks come from the heap and, freed, stay resident in its holes: a process that keeps
+    taking and freeing buffers of a few MB (activations, chunks read from disk) then creeps
+    above what it holds alive. Setting the threshold fixes it."""
+    global _mallopt
+    if _mallopt is None:
+        try:
+            _mallopt = ctypes.CDLL("libc.so.6").mallopt
+        except (OSError, AttributeError):
+            _mallopt = False
+    return bool(_mallopt and _mallopt(_M_MMAP_THRESHOLD, threshold))
+
+
+_mallopt: Any = None
