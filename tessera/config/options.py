@@ -47,6 +47,7 @@ def training_options(config: Config) -> TrainingOptions:
             params_offload=g.params_offload,
             optimizer_offload=g.optimizer_offload,
             precision=mp.dtype,
+            map_large_buffers=g.map_large_buffers,
         )
         if g.active
         else None

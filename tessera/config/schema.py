@@ -172,6 +172,12 @@ class GeminiConfig:
     optimizer_offload: float = _field(
         0.0, "static: share of optimizer chunks (fp32 masters, states, gradients) kept off the device."
     )
+    map_large_buffers: bool | None = _field(
+        None,
+        "Map every allocation of 256 KiB or more on its own, so freed memory leaves the process at once (glibc, "
+        "process-wide): the resident set follows the budgets, new activations cost page faults. None: on with a "
+        "host_budget.",
+    )
 
     @property
     def active(self) -> bool:

@@ -113,8 +113,8 @@ class GeminiOptimizer(WrapsOptimizer):
             self.chunk_plan = plan([p.numel() for p in self.params], group_of, chunk_numel, self.group.size)
         # the memory: tiers, policy, disk
         self.ledger = TierLedger(options.device_budget, options.host_budget, keep_samples=options.keep_samples)
-        if options.host_budget is not None:  # freed buffers go back to the system: RSS follows the ledger
-            map_large_allocations()
+        if options.map_large_buffers or (options.map_large_buffers is None and options.host_budget is not None):
+            map_large_allocations()  # freed buffers go back to the system: the resident set follows the ledger
         self.policy: StaticPolicy | AutoPolicy = (
             StaticPolicy(options.params_offload, options.optimizer_offload)
             if options.placement == "static"

@@ -15,7 +15,10 @@ class GeminiOptions:
     (None: unbounded); ``offload_dir``: the disk tier's folder (None: no disk tier);
     ``chunk_mb``: the chunk capacity (None: searched for the least waste); ``precision``: the
     parameters' dtype; ``prefetch``: uses ahead that parts on disk are read in the background;
-    ``keep_samples``: keep the ledger after every move (tests)."""
+    ``keep_samples``: keep the ledger after every move (tests); ``map_large_buffers``: give
+    every allocation of 256 KiB or more its own mapping, returned to the system when freed
+    (process-wide; None: when there is a host budget), so that the resident set follows what
+    is alive, at the cost of page faults on every new activation."""
 
     placement: Literal["static", "auto"] = "auto"
     device_budget: int | None = None
@@ -27,3 +30,4 @@ class GeminiOptions:
     precision: str = "fp32"
     prefetch: int = 4
     keep_samples: bool = False
+    map_large_buffers: bool | None = None

@@ -263,3 +263,44 @@ def test_a_deferred_model_is_filled_chunk_group_by_group_within_the_budgets(pool
         assert started["disk_bytes"] > 0, started
     rtol = 1e-5 if dtype == "fp32" else 2e-2
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(references[0.05][0]), rtol=rtol, atol=0)
+
+
+def full_disk_after_a_checkpoint(folder: str) -> tuple[str, bool]:
+    """Save a checkpoint, then let the disk tier fill up: training stops with a clear error and
+    the checkpoint still loads, bitwise what was saved."""
+    import errno
+    import os
+
+    from tessera.checkpoint import load, save
+
+    gemini = {"placement": "static", "params_offload": 1.0, "optimizer_offload": 1.0,
+              "device_budget": 200_000, "host_budget": 120_000}  # fmt: skip
+    with tempfile.TemporaryDirectory() as first, tempfile.TemporaryDirectory() as second:
+        ctx, engine = fresh_engine(gemini, first)
+        for b in batches(ctx, range(2)):
+            engine.train_batch(iter([b]))
+        save(f"{folder}/ckpt", engine)
+        saved = full_state_dict(engine)
+        disk = engine.strategy.memory.disk
+
+        def full(path: object, buffer: object) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        disk._write = full  # every later write finds the disk full
+        message = ""
+        try:
+            for b in batches(ctx, range(2, 4)):
+                engine.train_batch(iter([b]))
+        except tessera.OffloadError as error:
+            message = str(error)
+        ctx, resumed = fresh_engine(gemini, second)
+        load(f"{folder}/ckpt", resumed)
+        loaded = full_state_dict(resumed)
+        resumed.strategy.close()
+    return message, all(torch.equal(loaded[k], saved[k]) for k in saved)
+
+
+def test_a_full_disk_stops_training_clearly_and_leaves_the_checkpoint_intact(pools, tmp_path):
+    message, intact = pools.run(1, full_disk_after_a_checkpoint, str(tmp_path), timeout=300)[0]
+    assert "the disk is full" in message and "gemini.offload_dir" in message, message
+    assert intact, "the last checkpoint loads, bitwise what was saved"
