@@ -45,7 +45,7 @@ from tessera.memory.report import map_large_allocations, trim_heap
 from tessera.memory.search import plan, search_chunk_numel
 from tessera.memory.tiers import BudgetError, Part, Residence, Tier, TierLedger
 from tessera.optim.norms import norm_from_slot_squares
-from tessera.optim.wrapping import WrapsOptimizer
+from tessera.optim.wrapping import WrapsOptimizer, optimizer_entries
 from tessera.zero.release import ReleaseOnUse
 
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -86,15 +86,7 @@ class GeminiOptimizer(WrapsOptimizer):
         self.param_dtype = PARAM_DTYPES[options.precision]
         self.separate_master = self.param_dtype != torch.float32
         self.streams = state_streams(optimizer)
-        names = {id(p): n for n, p in model.named_parameters()}
-        entries: list[tuple[str, nn.Parameter]] = []
-        group_of: list[int] = []
-        for index, group in enumerate(optimizer.param_groups):
-            for p in group["params"]:
-                if id(p) not in names:
-                    raise ValueError("the optimizer holds a parameter that is not the model's")
-                entries.append((names[id(p)], p))
-                group_of.append(index)
+        entries, group_of = optimizer_entries(model, optimizer)
         if not entries:
             raise ValueError("gemini: the optimizer holds no parameters")
         self.params = [p for _, p in entries]

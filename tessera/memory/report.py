@@ -87,17 +87,22 @@ def trim_heap() -> None:
     glibc keeps freed blocks of a few MB in its heap and does not always reuse them for the
     next block of the same size (alignment): a replay drawing and freeing full tensors one after
     another would otherwise stay resident at several of them."""
-    global _malloc_trim
-    if _malloc_trim is None:
+    malloc_trim = _libc("malloc_trim")
+    if malloc_trim:
+        malloc_trim(0)
+
+
+_libc_functions: dict[str, Any] = {}
+
+
+def _libc(name: str) -> Any:
+    """glibc's function ``name``, or None where there is no glibc (looked up once)."""
+    if name not in _libc_functions:
         try:
-            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+            _libc_functions[name] = getattr(ctypes.CDLL("libc.so.6"), name)
         except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim: Any = None
+            _libc_functions[name] = None
+    return _libc_functions[name]
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -110,13 +115,5 @@ def map_large_allocations(threshold: int = 256 * 1024) -> bool:
     blocks come from the heap and, freed, stay resident in its holes: a process that keeps
     taking and freeing buffers of a few MB (activations, chunks read from disk) then creeps
     above what it holds alive. Setting the threshold fixes it."""
-    global _mallopt
-    if _mallopt is None:
-        try:
-            _mallopt = ctypes.CDLL("libc.so.6").mallopt
-        except (OSError, AttributeError):
-            _mallopt = False
-    return bool(_mallopt and _mallopt(_M_MMAP_THRESHOLD, threshold))
-
-
-_mallopt: Any = None
+    mallopt = _libc("mallopt")
+    return bool(mallopt and mallopt(_M_MMAP_THRESHOLD, threshold))

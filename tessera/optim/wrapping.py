@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 
 class WrapsOptimizer:
@@ -24,3 +25,20 @@ class WrapsOptimizer:
     @property
     def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
+
+
+def optimizer_entries(
+    model: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[list[tuple[str, nn.Parameter]], list[int]]:
+    """The optimizer's parameters in group order as ``(model name, parameter)``, and the group
+    index of each; raises ValueError on a parameter that is not ``model``'s."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    entries: list[tuple[str, nn.Parameter]] = []
+    group_of: list[int] = []
+    for index, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError("the optimizer holds a parameter that is not the model's")
+            entries.append((names[id(p)], p))
+            group_of.append(index)
+    return entries, group_of

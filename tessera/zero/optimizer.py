@@ -44,7 +44,7 @@ from tessera.memory.deferred import set_data
 from tessera.memory.host import copy_to_device_, host_copy, wait_for_device
 from tessera.optim.host_adam import HostAdamW
 from tessera.optim.norms import global_grad_norm
-from tessera.optim.wrapping import WrapsOptimizer
+from tessera.optim.wrapping import WrapsOptimizer, optimizer_entries
 from tessera.zero.policy import ZeroOptions
 from tessera.zero.release import ReleaseOnUse
 
@@ -74,15 +74,7 @@ class ZeroOptimizer(WrapsOptimizer):
         self.overlap_comm = options.overlap_comm
         self.param_dtype = PARAM_DTYPES[options.precision]
         self.master_device = torch.device("cpu") if options.offload == "cpu" else ctx.device
-        names = {id(p): n for n, p in model.named_parameters()}
-        entries: list[tuple[str, nn.Parameter]] = []
-        group_of: list[int] = []
-        for index, group in enumerate(optimizer.param_groups):
-            for p in group["params"]:
-                if id(p) not in names:
-                    raise ValueError("the optimizer holds a parameter that is not the model's")
-                entries.append((names[id(p)], p))
-                group_of.append(index)
+        entries, group_of = optimizer_entries(model, optimizer)
         self.params = [p for _, p in entries]
         # A chunk never spans two parameter groups, nor two blocks of the model (so stage 3
         # gathers one block at a time, and stage 2 reduces a block as soon as its backward ends).
