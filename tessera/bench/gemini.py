@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from tessera.bench.gemini_largest import Largest, largest_rows
 from tessera.bench.report import Row, print_rows, write_rows
 from tessera.bench.timing import alternate
 from tessera.bench.zero_sides import LossFn, StepFn, Workload, batches_of, deepspeed_available, model_of
@@ -385,6 +386,9 @@ def main(args: argparse.Namespace) -> int:
         print("DeepSpeed is not installed: its rows are absent (pip install 'tessera[bench]' to add them)")
     budget, outcome = budget_rows(BudgetRun())
     rows += budget
+    search = Largest()
+    found_rows, found = largest_rows(search, deepspeed_available(), deepspeed_available() and nvme_available())
+    rows += found_rows
     print_rows(rows)
     if losses:
         print("loss on one micro-batch after training (the sides should agree):")
@@ -401,6 +405,10 @@ def main(args: argparse.Namespace) -> int:
     )
     print("  losses gemini   ", " ".join(f"{v:.6f}" for v in ours["losses"]))
     print("  losses reference", " ".join(f"{v:.6f}" for v in reference["losses"]))
+    print(f"largest GPT (width {search.d_model}) under {search.budget / _MIB:.0f} MiB per rank above the baseline:")
+    for system, (params, seen) in found.items():
+        tried = ", ".join(f"{n} blocks: {'failed' if g is None else f'{g / _MIB:.0f} MiB'}" for n, g in seen.items())
+        print(f"  {system:<16} {params:>12,} parameters  ({tried})")
     if args.out:
         write_rows(rows, args.out)
     return 0

@@ -115,3 +115,18 @@ def test_bench_gemini_rows(tmp_path):
     assert {row["anchor"] for row in data} == {"DeepSpeed ZeRO-3 cpu offload"}
     ours, theirs = losses["tessera gemini auto"], losses["DeepSpeed ZeRO-3 cpu offload"]
     assert abs(ours - theirs) <= 1e-5 * abs(theirs)
+
+
+def test_bench_gemini_largest_model_search():
+    import torch
+
+    from tessera.bench.gemini_largest import Largest, largest
+
+    search = Largest(budget=256 * 2**20, d_model=32, seq_len=16, layers=(1, 2), steps=1)
+    params, seen = largest("tessera", search)
+    assert set(seen) == {1, 2} and all(g is not None and 0 < g <= search.budget for g in seen.values()), seen
+    with torch.device("meta"):
+        assert params == sum(p.numel() for p in search.model(2).parameters()), "both sizes fit: the larger counts"
+    # a budget nothing fits: the search stops at the first size and finds none
+    params, seen = largest("tessera", Largest(budget=1, d_model=32, seq_len=16, layers=(1, 2), steps=1))
+    assert params == 0 and list(seen) == [1]
