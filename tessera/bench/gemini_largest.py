@@ -35,7 +35,7 @@ class Largest:
     budget: int = 768 * _MIB
     d_model: int = 512
     seq_len: int = 64
-    layers: tuple[int, ...] = (2, 4, 8, 16, 24, 32, 48, 64)
+    layers: tuple[int, ...] = (2, 4, 8, 12, 16, 24, 32, 48, 64, 96)
     steps: int = 2
 
     def model(self, n_layers: int) -> torch.nn.Module:

@@ -87,7 +87,7 @@ BENCH_HELP: dict[str, str] = {
     "init": "start-up peak memory and time of GPT-2 medium (355M) under deferred init vs a whole build, "
     "FSDP2 meta-device init and DeepSpeed zero.Init, 4 ranks, ZeRO-3 dp4, 1d tp4, pp4 (about 5 min)",
     "gemini": "Gemini vs DeepSpeed ZeRO-3 with CPU and NVMe offload, 2 ranks, GPT small; and a GPT of 4x the "
-    "host budget trained within it through the disk tier, 1 rank (about 2 min); the DeepSpeed rows need the "
+    "host budget trained within it through the disk tier, 1 rank (about 2 min), and the largest GPT each trains under 768 MiB per rank (about 6 min); the DeepSpeed rows need the "
     "bench extra, the NVMe row also libaio (apt install libaio-dev)",
 }
 
