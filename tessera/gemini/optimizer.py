@@ -36,6 +36,7 @@ from tessera.context.placement import Placement, ZeroSlot, placement_of, set_pla
 from tessera.errors import ConfigError
 from tessera.gemini.chunk import TieredChunk
 from tessera.gemini.options import GeminiOptions
+from tessera.gemini.residence import EMPTY_FOR, Residency
 from tessera.memory.chunks import ChunkState, ChunkStore, Slot, WholeStateDict
 from tessera.memory.deferred import set_data
 from tessera.memory.disk import DiskIO
@@ -71,7 +72,7 @@ def state_streams(optimizer: torch.optim.Optimizer) -> list[str]:
     return sorted(k for k, v in twin.state[probe].items() if isinstance(v, torch.Tensor) and v.shape == probe.shape)
 
 
-class GeminiOptimizer(WrapsOptimizer):
+class GeminiOptimizer(WrapsOptimizer, Residency):
     """The user's ``optimizer`` over chunks of ``model``'s parameters placed by ``options``
     (see the module docstring). Behaves like a ``torch.optim.Optimizer`` for the engine and for
     LR schedulers (``param_groups``, ``state``, ``step``, ``zero_grad``)."""
@@ -449,7 +450,7 @@ class GeminiOptimizer(WrapsOptimizer):
                 self._unbind(pieces, states, first)
                 memory.dirty(parts["states"])
             for piece, _, _, _ in pieces:
-                piece.data, piece.grad = _EMPTY_FOR[piece.device], None
+                piece.data, piece.grad = EMPTY_FOR[piece.device], None
             memory.dirty(parts["master" if self.separate_master else "params"])
             if self.separate_master:  # the parameters follow their masters
                 params = memory.need(parts["params"], where, fill=False)
@@ -525,138 +526,6 @@ class GeminiOptimizer(WrapsOptimizer):
         self.memory.done(parts["master"])
         self.memory.done(parts["params"])
 
-    # ---- checkpoints -------------------------------------------------------------------------
-    @contextmanager
-    def resident(self) -> Iterator[None]:
-        """Every chunk's masters and optimizer states in host memory, the pieces viewing the
-        masters and the optimizer's state viewing the states parts, for a checkpoint's save or
-        load (or a deferred model's materialisation) inside the block. The rank's whole shard
-        passes through host memory for it, budgets lifted; after the block the states the
-        optimizer was given (a load) go into the parts, and parts move back under the budgets."""
-        if self._resident:
-            yield
-            return
-        self._resident = True
-        held: list[Part] = []
-        try:
-            with self.ledger.lifted(), self.memory.untraced():
-                for chunk, parts in zip(self.chunks, self._parts):
-                    master_part = parts["master" if self.separate_master else "params"]
-                    master = self.memory.need(master_part, Tier.HOST)
-                    held.append(master_part)
-                    states = None
-                    if "states" in parts and parts["states"].residence is not Residence.EMPTY:
-                        states = self.memory.need(parts["states"], Tier.HOST)
-                        held.append(parts["states"])
-                    self._bind(self._pieces[chunk.index], master, None, states, first=states is None)
-                try:
-                    yield
-                finally:
-                    for chunk, parts in zip(self.chunks, self._parts):
-                        self._take_states(chunk, parts)
-                    for part in held:
-                        self.memory.done(part)
-        finally:
-            self._resident = False
-        self.memory.rebalance()
-
-    def groups(self, room: float) -> list[list[int]]:
-        """Chunk indices in runs whose masters (and, with bf16/fp16, parameters) that are not in
-        memory yet fit in ``room`` bytes together."""
-        out: list[list[int]] = [[]]
-        used = 0.0
-        for chunk, parts in zip(self.chunks, self._parts):
-            kinds = ("params", "master") if self.separate_master else ("params",)
-            size = sum(parts[k].nbytes for k in kinds if parts[k].tensor is None)  # in memory already: no room
-            if out[-1] and used + size > room:
-                out.append([])
-                used = 0.0
-            out[-1].append(chunk.index)
-            used += size
-        return out
-
-    @contextmanager
-    def filling(self, indices: list[int]) -> Iterator[list[tuple[str, nn.Parameter, nn.Parameter, int, int]]]:
-        """The pieces of the chunks ``indices``, viewing their masters in host memory, to be
-        written whole inside the block (a deferred model's values); after it the parameters
-        follow the masters and the parts go where the budgets let them."""
-        taken: list[Part] = []
-        with self.memory.untraced():
-            try:
-                for i in indices:
-                    master_part = self._parts[i]["master" if self.separate_master else "params"]
-                    where = Tier.DEVICE if master_part.residence is Residence.DEVICE else Tier.HOST
-                    master = self.memory.need(master_part, where, fill=False)
-                    taken.append(master_part)
-                    master.zero_()  # the padding too: every element has a value
-                    for piece, _, a, b in self._pieces[i]:
-                        piece.data = master[a:b]
-                yield [p for p in self.held_pieces() if self._slot_of[id(p[1])][0].index in indices]
-                for i in indices:
-                    self._fresh_values(self._parts[i])
-            finally:
-                for i in indices:
-                    for piece, _, _, _ in self._pieces[i]:
-                        piece.data = _EMPTY_FOR[piece.device]
-                for part in taken:
-                    self.memory.done(part)
-
-    def _fresh_values(self, parts: dict[str, Part]) -> None:
-        """New values reached a chunk's masters (held in memory): their file is out of date, and
-        with bf16/fp16 the parameters follow."""
-        master_part = parts["master" if self.separate_master else "params"]
-        self.memory.dirty(master_part)
-        if self.separate_master:
-            master = self.memory.need(master_part, Tier.HOST)
-            params = self.memory.need(parts["params"], Tier.HOST, fill=False)
-            params.copy_(master)
-            self.memory.dirty(parts["params"])
-            self.memory.done(parts["params"])
-            self.memory.done(master_part)
-
-    def _take_states(self, chunk: TieredChunk, parts: dict[str, Part]) -> None:
-        """After a resident block: the optimizer's states of ``chunk``'s pieces into its states
-        part (a load replaced them), its scalars kept; the pieces emptied again."""
-        pieces = self._pieces[chunk.index]
-        found = [self.optimizer.state.get(piece) for piece, _, _, _ in pieces]
-        if self.streams and any(found):
-            states_part = parts["states"]
-            states = self.memory.need(states_part, Tier.HOST, fill=states_part.residence is not Residence.EMPTY)
-            n = chunk.shard_numel
-            for (_, _, a, b), state in zip(pieces, found):
-                for k, key in enumerate(self.streams):
-                    value = (state or {}).get(key)
-                    view = states[k * n + a : k * n + b]
-                    if value is not None and value.data_ptr() != view.data_ptr():
-                        view.copy_(value.reshape(-1))
-            self.memory.dirty(states_part)
-            self.memory.done(states_part)
-        for (piece, _, _, _), state in zip(pieces, found):
-            self.optimizer.state.pop(piece, None)
-            if state:
-                self._scalars[id(piece)] = {k: v for k, v in state.items() if k not in self.streams}
-            piece.data, piece.grad = _EMPTY_FOR[piece.device], None
-
-    def held_pieces(self) -> list[tuple[str, nn.Parameter, nn.Parameter, int, int]]:
-        """``(name, parameter, piece, start, end)`` for each piece this rank steps (inside
-        :meth:`resident`, where the pieces view the masters)."""
-        out = []
-        for chunk, pieces in zip(self.chunks, self._pieces):
-            lo = chunk.shard_range[0]
-            for piece, slot, a, b in pieces:
-                start = lo + a - slot.offset
-                out.append((slot.name, self.params[slot.index], piece, start, start + (b - a)))
-        return out
-
-    def masters_loaded(self) -> None:
-        """New values reached the masters inside :meth:`resident` (a checkpoint loaded); a no-op
-        after :meth:`filling`, which has already made the parameters follow."""
-        if not self._resident:
-            return
-        with self.memory.untraced():
-            for parts in self._parts:
-                self._fresh_values(parts)
-
     # ---- full state, memory ------------------------------------------------------------------
     @contextmanager
     def gathered(self) -> Iterator[None]:
@@ -716,13 +585,5 @@ class GeminiOptimizer(WrapsOptimizer):
     def close(self) -> None:
         self.memory.close()
 
-
-class _EmptyFor(dict[torch.device, torch.Tensor]):
-    def __missing__(self, device: torch.device) -> torch.Tensor:
-        value = self[device] = torch.empty(0, device=device)
-        return value
-
-
-_EMPTY_FOR = _EmptyFor()
 
 __all__ = ["GeminiOptimizer", "state_streams"]
