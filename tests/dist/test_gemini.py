@@ -304,3 +304,43 @@ def test_a_full_disk_stops_training_clearly_and_leaves_the_checkpoint_intact(poo
     message, intact = pools.run(1, full_disk_after_a_checkpoint, str(tmp_path), timeout=300)[0]
     assert "the disk is full" in message and "gemini.offload_dir" in message, message
     assert intact, "the last checkpoint loads, bitwise what was saved"
+
+
+def train_with(optimizer_name: str, gemini: dict | None):
+    """5 steps of the GPT with tessera's LAMB or LARS (or torch SGD with momentum): under
+    Gemini, or single-process (``gemini`` None, rank 0 only)."""
+    from tessera.optim import LAMB, LARS
+
+    make = {
+        "lamb": lambda ps: LAMB(ps, lr=1e-2, weight_decay=0.01),
+        "lars": lambda ps: LARS(ps, lr=0.1, momentum=0.9, weight_decay=1e-4),
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    }[optimizer_name]
+    if gemini is None:
+        model = build()
+        optimizer = make(model.parameters())
+        x, y = dataset().tensors
+        losses = []
+        for step in range(5):
+            sl = slice(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
+            optimizer.zero_grad()
+            loss = NextTokenLoss()(model(x[sl]), y[sl])
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        return losses
+    with tempfile.TemporaryDirectory() as offload:
+        ctx = use_layout(config={"gemini": {"offload_dir": offload, "chunk_mb": CHUNK_MB, **gemini}})
+        model = build()
+        engine, *_ = tessera.initialize(model, make(model.parameters()), NextTokenLoss())
+        losses = [engine.train_batch(iter([b])) for b in batches(ctx, range(5))]
+        engine.strategy.close()
+    return losses
+
+
+@pytest.mark.parametrize("optimizer_name", ["lamb", "lars", "sgd"])
+def test_gemini_steps_lamb_lars_and_sgd_as_single_process(pools, optimizer_name):
+    gemini = {"placement": "auto", "device_budget": 450_000, "host_budget": 60_000}  # through every tier
+    expected = train_with(optimizer_name, None)
+    for losses in pools.run(2, train_with, optimizer_name, gemini, timeout=300):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
