@@ -32,6 +32,7 @@ import dataclasses
 import gc
 import statistics
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,27 +108,37 @@ def _build_gemini(side: Side, w: Workload, folder: str, world: int) -> tuple[Ste
 
 
 def _build_deepspeed(side: Side, w: Workload, folder: str, world: int) -> tuple[StepFn, LossFn, Any]:
+    step, loss = deepspeed_offload(model_of(w), side.offload, folder, w.micro_batch, w.lr)
+    return step, loss, lambda: None
+
+
+def deepspeed_offload(
+    model: torch.nn.Module, offload: str, folder: str, micro_batch: int, lr: float
+) -> tuple[StepFn, LossFn]:
+    """``model`` under DeepSpeed ZeRO-3 with parameters and optimizer states offloaded to
+    ``offload`` ("cpu", or "nvme" in ``folder``), stepped by ``DeepSpeedCPUAdam``: a training
+    step and the loss of a batch."""
     from tessera.bench.zero_anchors import _deepspeed
     from tessera.models import NextTokenLoss
 
     deepspeed = _deepspeed(load_cpu_adam=True)
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    model = model_of(w)
-    where: dict[str, Any] = {"device": side.offload, "pin_memory": False}
-    if side.offload == "nvme":
+    world = torch.distributed.get_world_size()
+    where: dict[str, Any] = {"device": offload, "pin_memory": False}
+    if offload == "nvme":
         where["nvme_path"] = folder
     config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": w.micro_batch,
+        "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
-        "train_batch_size": w.micro_batch * world,
+        "train_batch_size": micro_batch * world,
         "zero_optimization": {"stage": 3, "offload_param": dict(where), "offload_optimizer": dict(where)},
         "gradient_clipping": 0.0,
         "steps_per_print": 2**31 - 1,
     }
-    if side.offload == "nvme":
+    if offload == "nvme":
         config["aio"] = {"block_size": 2**20, "queue_depth": 8, "single_submit": False, "overlap_events": True}
-    optimizer = DeepSpeedCPUAdam(model.parameters(), lr=w.lr, weight_decay=0.01, adamw_mode=True)
+    optimizer = DeepSpeedCPUAdam(model.parameters(), lr=lr, weight_decay=0.01, adamw_mode=True)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     criterion = NextTokenLoss()
 
@@ -139,7 +150,36 @@ def _build_deepspeed(side: Side, w: Workload, folder: str, world: int) -> tuple[
         with torch.no_grad():
             return float(criterion(engine(x), y).float())
 
-    return step, loss, lambda: None
+    return step, loss
+
+
+def peak_growth(
+    build_warm: Callable[[], tuple[StepFn, Callable[[], None]]],
+    build_run: Callable[[], tuple[StepFn, Callable[[], None]]],
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+) -> int | None:
+    """Peak RSS above the baseline while ``build_run()`` sets up and trains on ``batches``, after
+    the same code paths ran once through ``build_warm()`` (imports and one-time set-up stay
+    outside the measurement; its freed memory is collected and trimmed first). None where the
+    peak cannot be read. Errors of ``build_run`` propagate."""
+    from tessera.memory.report import peak_rss_bytes, reset_peak_rss, trim_heap
+
+    step, close = build_warm()
+    for x, y in batches:
+        step(x, y)
+    close()
+    del step
+    gc.collect()
+    trim_heap()
+    if not reset_peak_rss():
+        return None
+    base = peak_rss_bytes()
+    step, close = build_run()
+    for x, y in batches:
+        step(x, y)
+    peak = peak_rss_bytes()
+    close()
+    return None if base is None or peak is None else peak - base
 
 
 def _prepare(side: Side) -> None:
@@ -182,29 +222,21 @@ def timing_body(pair: tuple[Side, Side], w: Workload, blocks: int, steps: int) -
 def memory_body(side: Side, w: Workload, steps: int) -> int | None:
     """This rank's peak RSS above its baseline while ``side`` sets up and trains ``steps`` steps
     (a fresh pool; warmed up on a miniature model first)."""
-    from tessera.memory.report import peak_rss_bytes, reset_peak_rss, trim_heap
     from tessera.testing import use_layout
 
     world = use_layout(config={}).group("world")
     _prepare(side)
-    batches = batches_of(w, world.rank, steps)
     with tempfile.TemporaryDirectory() as folder:
-        step, _, close = build(side, dataclasses.replace(w, miniature=True), f"{folder}/warm")
-        for x, y in batches:
-            step(x, y)
-        close()
-        del step
-        gc.collect()
-        trim_heap()
-        if not reset_peak_rss():
-            return None
-        base = peak_rss_bytes()
-        step, _, close = build(side, w, f"{folder}/run")
-        for x, y in batches:
-            step(x, y)
-        peak = peak_rss_bytes()
-        close()
-    return None if base is None or peak is None else peak - base
+
+        def built(workload: Workload, sub: str) -> tuple[StepFn, Callable[[], None]]:
+            step, _, close = build(side, workload, f"{folder}/{sub}")
+            return step, close
+
+        return peak_growth(
+            lambda: built(dataclasses.replace(w, miniature=True), "warm"),
+            lambda: built(w, "run"),
+            batches_of(w, world.rank, steps),
+        )
 
 
 # ---- a model several times the host budget ---------------------------------------------------------

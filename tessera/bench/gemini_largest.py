@@ -15,7 +15,6 @@ better one is the anchor. The sizes grow until one does not fit (or ``max_layers
 from __future__ import annotations
 
 import dataclasses
-import gc
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -67,63 +66,28 @@ def _build(system: str, search: Largest, n_layers: int, folder: str) -> tuple[An
             model = search.model(n_layers)
         engine, *_ = tessera.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), NextTokenLoss())
         return (lambda x, y: engine.train_batch(iter([(x, y)]))), engine.strategy.close
-    from tessera.bench.zero_anchors import _deepspeed
+    from tessera.bench.gemini import deepspeed_offload
 
-    deepspeed = _deepspeed(load_cpu_adam=True)
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-    world = torch.distributed.get_world_size()
-    model = search.model(n_layers)
-    device = system.split("-")[1]
-    where: dict[str, Any] = {"device": device, "pin_memory": False}
-    if device == "nvme":
-        where["nvme_path"] = folder
-    config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": world,
-        "zero_optimization": {"stage": 3, "offload_param": dict(where), "offload_optimizer": dict(where)},
-        "gradient_clipping": 0.0,
-        "steps_per_print": 2**31 - 1,
-    }
-    optimizer = DeepSpeedCPUAdam(model.parameters(), lr=1e-3, weight_decay=0.01, adamw_mode=True)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    criterion = NextTokenLoss()
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        engine.backward(criterion(engine(x), y))
-        engine.step()
-
+    step, _ = deepspeed_offload(search.model(n_layers), system.split("-")[1], folder, micro_batch=1, lr=1e-3)
     return step, lambda: None
 
 
 def fits_body(system: str, search: Largest, n_layers: int) -> int | None:
     """This rank's peak RSS above its baseline while ``system`` builds and trains the GPT of
     ``n_layers`` blocks (None: it failed)."""
-    from tessera.memory.report import peak_rss_bytes, reset_peak_rss, trim_heap
+    from tessera.bench.gemini import peak_growth
     from tessera.testing import use_layout
 
     world = use_layout(config={}).group("world")
-    batches = _batches(search, world.rank)
     with tempfile.TemporaryDirectory() as folder:
-        step, close = _build(system, dataclasses.replace(search, d_model=16), 1, f"{folder}/warm")
-        for x, y in batches:
-            step(x, y)
-        close()
-        del step
-        gc.collect()
-        trim_heap()
-        reset_peak_rss()
-        base = peak_rss_bytes()
         try:
-            step, close = _build(system, search, n_layers, f"{folder}/run")
-            for x, y in batches:
-                step(x, y)
-            close()
+            return peak_growth(
+                lambda: _build(system, dataclasses.replace(search, d_model=16), 1, f"{folder}/warm"),
+                lambda: _build(system, search, n_layers, f"{folder}/run"),
+                _batches(search, world.rank),
+            )
         except Exception:  # does not train at this size (a budget error, an allocation failure)
             return None
-        peak = peak_rss_bytes()
-    return None if base is None or peak is None else peak - base
 
 
 def largest(system: str, search: Largest, world: int = 2) -> tuple[int, dict[int, int | None]]:

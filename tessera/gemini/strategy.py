@@ -89,20 +89,16 @@ class Gemini(Strategy):
             need = self.trace.activation_bytes
             budget = self.sharded.ledger.budget[Tier.DEVICE]
             smallest = self.sharded.policy.reserve + need
-            error = None
+            too_small = BudgetError(
+                f"gemini.device_budget={budget} bytes cannot hold the traced activations ({need} bytes) next to "
+                f"one chunk's working set: give gemini.device_budget >= {smallest} bytes or use smaller micro-batches"
+            )
             if budget is not None and budget < smallest:
-                error = BudgetError("")
-            else:
-                try:
-                    self.memory.reserve(Tier.DEVICE, need, "activations", "traced activations")
-                except BudgetError as raised:
-                    error = raised
-            if error is not None:
-                raise BudgetError(
-                    f"gemini.device_budget={budget} bytes cannot hold the traced activations ({need} bytes) next to "
-                    f"one chunk's working set: give gemini.device_budget >= {smallest} bytes or use smaller "
-                    "micro-batches"
-                ) from error
+                raise too_small
+            try:
+                self.memory.reserve(Tier.DEVICE, need, "activations", "traced activations")
+            except BudgetError as error:
+                raise too_small from error
 
     # ---- memory and state --------------------------------------------------------------------
     def memory_parts(self) -> dict[str, list[torch.Tensor]]:
