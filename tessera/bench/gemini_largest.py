@@ -66,7 +66,7 @@ def _build(system: str, search: Largest, n_layers: int, folder: str) -> tuple[An
             model = search.model(n_layers)
         engine, *_ = tessera.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), NextTokenLoss())
         return (lambda x, y: engine.train_batch(iter([(x, y)]))), engine.strategy.close
-    from tessera.bench.gemini import deepspeed_offload
+    from tessera.bench.gemini_common import deepspeed_offload
 
     step, _ = deepspeed_offload(search.model(n_layers), system.split("-")[1], folder, micro_batch=1, lr=1e-3)
     return step, lambda: None
@@ -75,7 +75,7 @@ def _build(system: str, search: Largest, n_layers: int, folder: str) -> tuple[An
 def fits_body(system: str, search: Largest, n_layers: int) -> int | None:
     """This rank's peak RSS above its baseline while ``system`` builds and trains the GPT of
     ``n_layers`` blocks (None: it failed)."""
-    from tessera.bench.gemini import peak_growth
+    from tessera.bench.gemini_common import peak_growth
     from tessera.testing import use_layout
 
     world = use_layout(config={}).group("world")
