@@ -30,6 +30,11 @@ class TieredChunk(Chunk):
         self.shard = _NOTHING
 
     @property
+    def counted(self) -> bool:
+        """Whether the gathered buffer is held (and counted in the device tier) now."""
+        return self._counted
+
+    @property
     def full_bytes(self) -> int:
         return self.padded_numel * self.full.element_size()
 

@@ -106,7 +106,10 @@ class GeminiOptimizer(WrapsOptimizer, Residency):
             self.chunk_plan = plan([p.numel() for p in self.params], group_of, chunk_numel, self.group.size)
         # the memory: tiers, policy, disk
         self.ledger = TierLedger(options.device_budget, options.host_budget, keep_samples=options.keep_samples)
-        if options.map_large_buffers or (options.map_large_buffers is None and options.host_budget is not None):
+        self.tight_heap = options.map_large_buffers or (
+            options.map_large_buffers is None and options.host_budget is not None
+        )  # freed memory goes back to the system at once (mappings, heap trims)
+        if self.tight_heap:
             map_large_allocations()  # freed buffers go back to the system: the resident set follows the ledger
         self.policy: StaticPolicy | AutoPolicy = (
             StaticPolicy(options.params_offload, options.optimizer_offload)
@@ -352,7 +355,7 @@ class GeminiOptimizer(WrapsOptimizer, Residency):
         self._drain()
         self._ready.clear()
         self._callback_queued = False
-        if self.ledger.budget[Tier.HOST] is not None:
+        if self.tight_heap:
             trim_heap()  # the activations just freed go back to the system before the step reads parts
 
     def _work_tier(self, part: Part) -> Tier:
@@ -384,7 +387,7 @@ class GeminiOptimizer(WrapsOptimizer, Residency):
             refreshing += self._refresh(chunk)  # overlaps the next chunks' steps
             self._refreshed(refreshing, keep=2)
         self._refreshed(refreshing, keep=0)
-        if self.ledger.budget[Tier.HOST] is not None:
+        if self.tight_heap:
             trim_heap()  # the activations freed since the forward go back to the system, not into holes
         self._factors.clear()
         self._has_grad.clear()
@@ -411,7 +414,12 @@ class GeminiOptimizer(WrapsOptimizer, Residency):
 
     def _step_tier(self, parts: dict[str, Part]) -> Tier:
         """Device when the chunk's optimizer state is there (or, with the auto policy, when the
-        device has room for all its parts), else host memory."""
+        device has room for all its parts beside every chunk kept gathered), else host memory.
+
+        The auto policy gives device room to gathered chunks before optimizer states: a chunk
+        kept gathered across steps saves an all-gather in every forward and backward pass,
+        while states in host memory cost one move of the chunk's gradients and parameters (and
+        nothing where the device is the host's memory)."""
         states = parts.get("states") or parts.get("master") or parts["params"]
         if states.residence is Residence.DEVICE:
             return Tier.DEVICE
@@ -419,9 +427,27 @@ class GeminiOptimizer(WrapsOptimizer, Residency):
             return self._work_tier(states)
         if isinstance(self.policy, AutoPolicy) and states.residence is Residence.EMPTY:
             needed = sum(p.nbytes for p in parts.values() if p.residence is not Residence.DEVICE)
-            if self.ledger.free(Tier.DEVICE) - self.policy.reserve >= needed:
+            ungathered = sum(c.full_bytes for c in self.chunks if not c.counted)
+            if self.ledger.free(Tier.DEVICE) - self.policy.reserve - ungathered >= needed:
                 return Tier.DEVICE
         return Tier.HOST
+
+    def make_room_for_gathered(self, extra: int) -> None:
+        """Before ``extra`` more device bytes are reserved (auto policy, at the end of the
+        warm-up): optimizer parts leave the device, last chunks first, while the device could
+        not also hold every chunk gathered beside its reserve; device room is worth more to
+        gathered chunks than to states (see :meth:`_step_tier`), but not more than host memory:
+        a part goes down only while host memory has room for it (a move to disk costs more
+        than an all-gather)."""
+        ungathered = sum(c.full_bytes for c in self.chunks if not c.counted)
+        short = extra + self.policy.reserve + ungathered - self.ledger.free(Tier.DEVICE)
+        for parts in reversed(self._parts):
+            for kind in ("states", "master"):
+                part = parts.get(kind)
+                if short <= 0 or part is None or self.ledger.free(Tier.HOST) - self.policy_host_reserve < part.nbytes:
+                    continue
+                if self.memory.demote(part):
+                    short -= part.nbytes
 
     def _step_chunk(self, chunk: TieredChunk) -> None:
         parts = self._parts[chunk.index]

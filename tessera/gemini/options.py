@@ -17,8 +17,9 @@ class GeminiOptions:
     parameters' dtype; ``prefetch``: uses ahead that parts on disk are read in the background;
     ``keep_samples``: keep the ledger after every move (tests); ``map_large_buffers``: give
     every allocation of 256 KiB or more its own mapping, returned to the system when freed
-    (process-wide; None: when there is a host budget), so that the resident set follows what
-    is alive, at the cost of page faults on every new activation."""
+    (process-wide; None: when there is a host budget) and trim the heap after each backward
+    pass and step, so that the resident set follows what is alive, at the cost of page faults
+    on every new activation."""
 
     placement: Literal["static", "auto"] = "auto"
     device_budget: int | None = None

@@ -95,6 +95,7 @@ class Gemini(Strategy):
             )
             if budget is not None and budget < smallest:
                 raise too_small
+            self.sharded.make_room_for_gathered(need)
             try:
                 self.memory.reserve(Tier.DEVICE, need, "activations", "traced activations")
             except BudgetError as error:

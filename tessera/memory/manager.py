@@ -207,6 +207,18 @@ class ChunkMemory:
             self.disk.remove(part.name)
         part.file_valid = False
 
+    def demote(self, part: Part) -> bool:
+        """Move ``part`` from the device to host memory (room is made there as for any move)
+        when it is on the device and not in use; whether it moved."""
+        if part.residence is not Residence.DEVICE or self.held(part):
+            return False
+        self._hold(part)
+        try:
+            self._send(part, Tier.HOST)
+        finally:
+            self._unhold(part)
+        return True
+
     def reserve(self, tier: Tier, nbytes: int, kind: str, what: str) -> None:
         """Count a working buffer of ``nbytes`` in ``tier`` (room is made first)."""
         self._reap()

@@ -43,8 +43,9 @@ def body_collectives():
     torch.testing.assert_close(comm.all_to_all(a2a[rank], "data", scatter_dim=0, gather_dim=1), expected)
     # a ring of sends and receives in one batch
     got = torch.empty(4, 6)
-    comm.batch_p2p([comm.P2POp("send", x, "data", (rank + 1) % world),
-                    comm.P2POp("recv", got, "data", (rank - 1) % world)])
+    comm.batch_p2p(
+        [comm.P2POp("send", x, "data", (rank + 1) % world), comm.P2POp("recv", got, "data", (rank - 1) % world)]
+    )
     torch.testing.assert_close(got, everyone[(rank - 1) % world])
     comm.barrier("data")
     assert comm.broadcast_object({"from": rank}, "data", src=3) == {"from": 3}
@@ -55,6 +56,50 @@ def body_collectives():
 
 def test_collectives_match_local_math(pools):
     assert pools.run(4, body_collectives) == [True] * 4
+
+
+def body_flat(layout):
+    """all_gather_into and reduce_scatter_into (gloo: direct exchanges between members) on the
+    data axis, several in flight at once and waited out of order, against local math over the
+    members' values (seeded by global rank, so a message from the wrong peer shows)."""
+    ctx = use_layout(**layout)
+    group = ctx.group("data")
+    p, me, n = group.size, group.rank, 5
+    members = group.ranks
+
+    def values(global_rank: int, salt: int, numel: int, dtype=torch.float32) -> torch.Tensor:
+        return _rank_tensor(1000 * salt + global_rank, (numel,)).to(dtype)
+
+    results = []
+    for dtype in (torch.float32, torch.bfloat16):
+        fulls = [torch.empty(p * n, dtype=dtype) for _ in range(2)]
+        outs = [torch.empty(n, dtype=dtype) for _ in range(3)]
+        gathers = [
+            comm.all_gather_into(fulls[k], values(ctx.rank, k, n, dtype), "data", async_op=True) for k in range(2)
+        ]
+        inputs = [values(ctx.rank, 10 + k, p * n, dtype) for k in range(3)]
+        ops = ("sum", "avg", "sum")
+        reductions = [comm.reduce_scatter_into(outs[k], inputs[k], "data", op=ops[k], async_op=True) for k in range(3)]
+        for pending in reversed(reductions + gathers):
+            pending.wait()
+        for k in range(2):
+            torch.testing.assert_close(fulls[k], torch.cat([values(r, k, n, dtype) for r in members]))
+        for k in range(3):
+            total = sum(values(r, 10 + k, p * n, dtype)[me * n : (me + 1) * n] for r in members)
+            expected = total / p if ops[k] == "avg" else total
+            torch.testing.assert_close(outs[k], expected)
+        # synchronous, and a shard that is a view into the full buffer
+        full = torch.zeros(p * n, dtype=dtype)
+        full[me * n : (me + 1) * n] = values(ctx.rank, 20, n, dtype)
+        comm.all_gather_into(full, full[me * n : (me + 1) * n], "data")
+        torch.testing.assert_close(full, torch.cat([values(r, 20, n, dtype) for r in members]))
+        results.append(True)
+    return all(results)
+
+
+def test_flat_collectives_match_local_math(pools):
+    assert pools.run(4, body_flat, {}) == [True] * 4
+    assert pools.run(8, body_flat, dict(tensor=2)) == [True] * 8  # data groups [0,2,4,6] and [1,3,5,7]
 
 
 def body_autograd():
@@ -123,8 +168,9 @@ def body_ledger():
         comm.broadcast_async(torch.zeros(10), "data").wait()  # 40 B
         comm.all_to_all(torch.zeros(16), "data", 0, 0)  # 64 B
         peer = (ctx.rank + 1) % 4, (ctx.rank - 1) % 4
-        comm.batch_p2p([comm.P2POp("send", torch.zeros(4), "data", peer[0]),
-                        comm.P2POp("recv", torch.zeros(4), "data", peer[1])])
+        comm.batch_p2p(
+            [comm.P2POp("send", torch.zeros(4), "data", peer[0]), comm.P2POp("recv", torch.zeros(4), "data", peer[1])]
+        )
         comm.barrier("data")
         comm.all_reduce(torch.zeros(10), ctx.group("tensor"))  # one rank: a no-op, not counted
     p = 4
@@ -173,7 +219,7 @@ def test_eight_ranks_build_real_groups_and_reduce_along_each_axis(pools):
     for layout in LAYOUTS_8:
         results = pools.run(8, body_axes, layout)
         for rank, per_axis in enumerate(results):
-            for axis, (reduced, expected, size) in per_axis.items():
+            for axis, (reduced, expected, _size) in per_axis.items():
                 assert reduced == expected, (layout, rank, axis)
             assert per_axis["world"][2] == 8
         sizes = {axis: size for axis, (_, _, size) in results[0].items()}
