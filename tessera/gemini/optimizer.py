@@ -439,6 +439,8 @@ class GeminiOptimizer(WrapsOptimizer, Residency):
         gathered chunks than to states (see :meth:`_step_tier`), but not more than host memory:
         a part goes down only while host memory has room for it (a move to disk costs more
         than an all-gather)."""
+        if not isinstance(self.policy, AutoPolicy):
+            return
         ungathered = sum(c.full_bytes for c in self.chunks if not c.counted)
         short = extra + self.policy.reserve + ungathered - self.ledger.free(Tier.DEVICE)
         for parts in reversed(self._parts):
