@@ -7,7 +7,7 @@ Rows:
   rank's model state, host memory unbounded) against DeepSpeed ZeRO-3 with parameters and
   optimizer states offloaded to the CPU (``DeepSpeedCPUAdam``);
 - ``gemini vs nvme offload``: Gemini (``auto``, the same device budget, a host budget of a
-  quarter of the state, the rest on disk) against DeepSpeed ZeRO-3 with parameters and
+  quarter of the state, the rest on disk, ``map_large_buffers`` off) against DeepSpeed ZeRO-3 with parameters and
   optimizer states on NVMe (its async I/O op needs ``libaio-dev``).
 
 Every side trains the same GPT (same seed and initial weights) with AdamW on the same
