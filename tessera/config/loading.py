@@ -332,15 +332,14 @@ def parallel_dims(config: Config, world_size: int) -> ParallelDims:
         tensor_depth=p.tensor.depth,
         sequence_parallel=p.tensor.sequence_parallel,
         keep_blocks=p.tensor.keep_blocks,
+        sequence_mode=p.sequence.mode,
     )
 
 
 # ---- features not built yet ----------------------------------------------------------------
 
 # (key, is it in use?, what it is). Each strategy's issue removes its line when it lands.
-_NOT_BUILT: list[tuple[str, Callable[[Config], bool], str]] = [
-    ("parallel.sequence.size", lambda c: c.parallel.sequence.size > 1, "sequence parallelism"),
-]
+_NOT_BUILT: list[tuple[str, Callable[[Config], bool], str]] = []
 
 
 def unavailable_features(config: Config) -> list[str]:

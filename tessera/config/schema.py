@@ -90,8 +90,10 @@ class PipelineConfig:
 @dataclass(frozen=True)
 class SequenceConfig:
     size: int = _field(1, "Ranks that split the sequence dimension (the sequence axis).")
-    mode: Literal["ring", "ring_attention", "ulysses"] = _field(
-        "ring", "ring self-attention, ring attention with online softmax, or all-to-all (Ulysses)."
+    mode: Literal["ring_qk", "ring", "all_to_all"] = _field(
+        "ring",
+        "ring_qk: ring self-attention (full score rows); ring: ring attention with online softmax (zigzag-"
+        "balanced); all_to_all: head exchange (Ulysses; the heads must divide by the size).",
     )
 
     def validate(self, path: str) -> None:

@@ -10,6 +10,8 @@ from tessera.comm import AxisGroup
 from tessera.context.dims import AxisSpec, ParallelDims, group_table
 from tessera.context.rng import RNGStreams
 
+REPLICA_AXES = ("data", "sequence")
+
 
 def _axis_name(axis: AxisSpec) -> str:
     return axis if isinstance(axis, str) else "+".join(axis)
@@ -46,6 +48,8 @@ class ParallelContext:
         self._side: dict[str, AxisGroup] = {}  # side_group()
         for axis in (*dims.axes, "world"):
             self._groups[axis] = self._build(axis)
+        if dims.sequence > 1:  # the replicas of every parameter: data x sequence
+            self._groups[REPLICA_AXES] = self._build(REPLICA_AXES)
         self.rng = RNGStreams(seed, dims, rank, self.device)
 
     # ---- groups ---------------------------------------------------------------------------
@@ -100,6 +104,13 @@ class ParallelContext:
                 self.dims.varied_coordinates(key)  # raises KeyError naming the axes that exist
             raise KeyError(f"group {key!r} was not built; call ctx.new_group({key!r}) on every rank")
         return self._groups[key]
+
+    @property
+    def replicas(self) -> AxisGroup:
+        """The ranks that hold the same parameters and average their gradients (ZeRO shards
+        over them): the data axis, times the sequence axis when the sequence is split (its
+        ranks run the same model on other tokens of the same batch)."""
+        return self._groups[REPLICA_AXES] if self.dims.sequence > 1 else self._groups["data"]
 
     def size(self, axis: AxisSpec) -> int:
         return self.group(axis).size

@@ -28,6 +28,7 @@ from tessera.errors import ConfigError
 
 BASE_AXES: tuple[str, ...] = ("data", "pipeline", "sequence", "tensor")
 TENSOR_MODES: tuple[str, ...] = ("1d", "2d", "2.5d", "3d")
+SEQUENCE_MODES: tuple[str, ...] = ("ring_qk", "ring", "all_to_all")
 
 # Atomic coordinates of the tensor axis per mode, outermost first.
 _TENSOR_COORDS: dict[str, tuple[str, ...]] = {
@@ -120,6 +121,7 @@ class ParallelDims:
     tensor_depth: int = 1
     sequence_parallel: bool = False  # 1D only: activations outside Col -> Row regions split along the sequence
     keep_blocks: bool = False  # 2D, 2.5D, 3D: keep the blocks a Linear's forward received for its backward
+    sequence_mode: str = "ring"  # ring_qk (ring self-attention), ring (online softmax), all_to_all (Ulysses)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -129,6 +131,15 @@ class ParallelDims:
             if value < 1:
                 raise ConfigError(f"parallel.{name} size {value} must be at least 1")
         check_tensor_layout(self.tensor, self.tensor_mode, self.tensor_depth, self.sequence_parallel, self.keep_blocks)
+        if self.sequence_mode not in SEQUENCE_MODES:
+            raise ConfigError(
+                f"parallel.sequence.mode={self.sequence_mode!r} is not one of {', '.join(SEQUENCE_MODES)}"
+            )
+        if self.sequence > 1 and self.tensor > 1 and self.tensor_mode != "1d":
+            raise ConfigError(
+                f"sequence parallelism composes with 1d tensor parallelism, not {self.tensor_mode!r}: "
+                "use parallel.tensor.mode='1d' or parallel.sequence.size=1"
+            )
         model = self.pipeline * self.sequence * self.tensor
         sizes = f"pipeline={self.pipeline} x sequence={self.sequence} x tensor={self.tensor}"
         if self.data is None:

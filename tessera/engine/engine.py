@@ -2,7 +2,9 @@
 
 The engine owns the parts of a training step that the layout changes: gradient accumulation
 (without gradient sync on the non-final micro-steps), mixed precision and loss scaling, global
-gradient clipping, and the loss reported back (averaged over the data axis).
+gradient clipping, the loss reported back (averaged over the replicas: the data axis, and the
+sequence axis when sequences are split), and, under sequence parallelism, handing the model and
+the loss this rank's tokens of every sequence.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from tessera.context import ParallelContext
 from tessera.engine.options import LossScaleOptions, TrainingOptions
 from tessera.errors import TesseraError
 from tessera.optim.clip import clip_coefficient
+from tessera.parallel.sequence.tokens import sequence_length_of, take_tokens
 from tessera.parallel.strategy import Strategy
 
 
@@ -88,6 +91,20 @@ class Engine:
         self.init_peak_rss: int | None = None  # peak RSS of the init phase (set by initialize)
         #: the run's config, when ``tessera.initialize`` built the engine (checkpoints record it)
         self.run_config: Any = None
+        self._sequence = ctx.group("sequence") if ctx.size("sequence") > 1 else None
+        self._length: int | None = None  # the whole sequence length of the last batch split
+
+    def local_tokens(self, batch: Any, length: int | None = None) -> Any:
+        """This rank's tokens of every sequence in ``batch`` under sequence parallelism (the
+        tensors whose dim 1 is the sequence, of ``length`` or of the batch's first tensor's
+        length); ``batch`` itself otherwise."""
+        if self._sequence is None:
+            return batch
+        length = length or sequence_length_of(batch)
+        if length is None:
+            return batch
+        self._length = length
+        return take_tokens(batch, self._sequence, self.ctx.dims.sequence_mode, length)
 
     @property
     def model(self) -> nn.Module:
@@ -107,7 +124,19 @@ class Engine:
     # ---- the user-facing loop ---------------------------------------------------------------
     @property
     def criterion(self) -> Callable[..., torch.Tensor]:
-        """The loss function given to initialize (calling it without one raises a clear error)."""
+        """The loss function given to initialize (calling it without one raises a clear error).
+        Under sequence parallelism it takes whole-sequence targets and uses this rank's tokens."""
+        loss = self._criterion if self._criterion is not None else _MissingCriterion()
+        if self._sequence is None:
+            return loss
+
+        def local_loss(outputs: Any, targets: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            return loss(outputs, self.local_tokens(targets, self._length), *args, **kwargs)
+
+        return local_loss
+
+    @property
+    def _loss(self) -> Callable[..., torch.Tensor]:
         return self._criterion if self._criterion is not None else _MissingCriterion()
 
     def train(self) -> None:
@@ -132,7 +161,11 @@ class Engine:
             self.strategy.zero_grad()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Forward pass under autocast; gradients sync only on the final micro-step."""
+        """Forward pass under autocast; gradients sync only on the final micro-step. Under
+        sequence parallelism the model gets this rank's tokens of the inputs."""
+        return self._forward(*self.local_tokens(args), **kwargs)
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
         final = self.is_final_micro_step or not torch.is_grad_enabled()
         with autocast(self.precision, self.ctx.device):
             return self.strategy.forward(*args, final=final, **kwargs)
@@ -187,15 +220,15 @@ class Engine:
 
     # ---- whole steps --------------------------------------------------------------------------
     def mean_over_data(self, value: torch.Tensor | float) -> float:
-        """``value`` averaged over the data-parallel ranks (a collective over the data axis)."""
+        """``value`` averaged over the replicas (data, and sequence when split; a collective)."""
         value = torch.as_tensor(value, dtype=torch.float32, device=self.ctx.device).detach().reshape(1).clone()
-        comm.all_reduce(value, self.ctx.group("data"), op="avg")
+        comm.all_reduce(value, self.ctx.replicas, op="avg")
         return float(value.item())
 
     def train_batch(self, data_iter: Iterator[Any]) -> float:
         """One optimizer step over ``gradient_accumulation`` micro-batches of ``(inputs, targets)``.
 
-        Returns the loss averaged over the micro-batches and the data-parallel ranks: the loss of
+        Returns the loss averaged over the micro-batches and the replicas: the loss of
         the global batch, as one process would compute it. Its reduction starts as soon as the
         last forward is done and overlaps the backward pass and the optimizer step.
         """
@@ -205,24 +238,26 @@ class Engine:
         total = torch.zeros((), device=self.ctx.device)
         pending = None
         for micro in range(self.accumulation):
-            inputs, targets = _split_batch(_to_device(next(data_iter), self.ctx.device))
-            loss = self.criterion(self(inputs), targets)
+            inputs, targets = self.local_tokens(_split_batch(_to_device(next(data_iter), self.ctx.device)))
+            loss = self._loss(self._forward(inputs), targets)
             total = total + loss.detach().float()
             if micro == self.accumulation - 1:
                 mean = (total / self.accumulation).reshape(1).clone()
-                pending = comm.all_reduce_async(mean, self.ctx.group("data"))
+                pending = comm.all_reduce_async(mean, self.ctx.replicas)
             self.backward(loss)
             self.step()
         assert pending is not None
-        return float(pending.wait()) / self.ctx.size("data")
+        return float(pending.wait()) / self.ctx.replicas.size
 
     def _train_scheduled_batch(self, data_iter: Iterator[Any], microbatches: int) -> float:
         """One optimizer step through the strategy's schedule over ``microbatches`` items of
         ``data_iter``; the gradients then meet over the data axis through the strategy."""
         self.strategy.zero_grad()
-        batches = [_split_batch(_to_device(next(data_iter), self.ctx.device)) for _ in range(microbatches)]
+        batches = [
+            self.local_tokens(_split_batch(_to_device(next(data_iter), self.ctx.device))) for _ in range(microbatches)
+        ]
         with autocast(self.precision, self.ctx.device):
-            loss = self.strategy.run_schedule(batches, self.criterion)
+            loss = self.strategy.run_schedule(batches, self._loss)
         if not math.isfinite(loss):
             raise FloatingPointError(f"non-finite loss {loss} at step {self.global_step} in {self.precision}")
         self._apply_gradients()
@@ -230,10 +265,11 @@ class Engine:
 
     @torch.no_grad()
     def eval_batch(self, data_iter: Iterator[Any]) -> tuple[float, Any]:
-        """Loss (averaged over the data-parallel ranks) and outputs of one batch."""
-        inputs, targets = _split_batch(_to_device(next(data_iter), self.ctx.device))
-        outputs = self(inputs)
-        loss = self.criterion(outputs, targets)
+        """Loss (averaged over the replicas) and outputs of one batch (this rank's tokens of them
+        under sequence parallelism)."""
+        inputs, targets = self.local_tokens(_split_batch(_to_device(next(data_iter), self.ctx.device)))
+        outputs = self._forward(inputs)
+        loss = self._loss(outputs, targets)
         return self.mean_over_data(loss), outputs
 
     def state_dict(self) -> dict[str, Any]:

@@ -82,7 +82,7 @@ class GeminiOptimizer(WrapsOptimizer, Residency):
     ) -> None:
         self.ctx = ctx
         self.options = options
-        self.group = ctx.group("data")
+        self.group = ctx.replicas
         self.optimizer = optimizer
         self.param_dtype = PARAM_DTYPES[options.precision]
         self.separate_master = self.param_dtype != torch.float32

@@ -111,10 +111,13 @@ class GPT(nn.Module):
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids -> the first block's input (token plus position embeddings)."""
-        batch, seq = idx.shape
-        if seq > self.config.max_seq_len:
-            raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.config.max_seq_len}")
-        positions = torch.arange(seq, device=idx.device).expand(batch, seq)
+        batch, seq = idx.shape  # this rank's tokens under sequence parallelism: global positions
+        positions = tnn.positions(seq, idx.device)
+        if int(positions.max()) >= self.config.max_seq_len:
+            raise ValueError(
+                f"sequence length {int(positions.max()) + 1} exceeds max_seq_len={self.config.max_seq_len}"
+            )
+        positions = positions.expand(batch, seq)
         return self.dropout(tnn.enter_sequence_parallel(self.tok_emb(idx) + self.pos_emb(positions)))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

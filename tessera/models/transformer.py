@@ -7,7 +7,6 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tessera import nn as tnn
@@ -31,15 +30,13 @@ class SelfAttention(nn.Module):
         self.out_dropout = tnn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)  # [b, s, 3 * local heads * head_dim] (whole sequence, also in sequence parallelism)
+        qkv = self.qkv(x)  # [b, s, 3 * local heads * head_dim] (this rank's tokens of the sequence axis)
         batch, seq = qkv.shape[0], qkv.shape[1]
         q, k, v = qkv.chunk(3, dim=-1)
         heads = q.shape[-1] // self.head_dim
         q, k, v = (t.reshape(batch, seq, heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         with tnn.split_region_rng():  # attention dropout on this rank's heads
-            y = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=self.causal
-            )
+            y = tnn.attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, causal=self.causal)
         return self.out_dropout(self.out(y.transpose(1, 2).reshape(batch, seq, heads * self.head_dim)))
 
 

@@ -27,6 +27,7 @@ from tessera.nn.layers import (
     split_activation,
     split_region_rng,
 )
+from tessera.nn.sequence import attention, positions
 from tessera.parallel.tensor import plain
 
 globals().update(EXPLICIT)  # Linear1D_Col, Linear2D, ... (tessera.nn.explicit)
@@ -42,12 +43,14 @@ __all__ = [
     "VocabParallelClassifier",
     "VocabParallelCrossEntropyLoss",
     "VocabParallelEmbedding",
+    "attention",
     "batch_parts",
     "enter_sequence_parallel",
     "exit_sequence_parallel",
     "gather_activation",
     "hidden_parts",
     "plain",
+    "positions",
     "resolve_context",
     "split_activation",
     "split_region_rng",

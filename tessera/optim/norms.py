@@ -113,7 +113,7 @@ def _sum_zero_pieces(
     A parameter listed k times (several quantities of it, as LAMB's weights and updates) fills
     k rows of a dense ``[k, nslots]`` matrix: its j-th occurrence goes to row j.
     """
-    if ctx.size("data") == 1:
+    if ctx.replicas.size == 1:
         return
     index: list[int] = []
     rows: list[int] = []
@@ -145,7 +145,7 @@ def _sum_zero_pieces(
     picked = torch.tensor(index, dtype=torch.long, device=sq.device)
     dense = torch.zeros(height, nslots, dtype=torch.float32, device=sq.device)
     dense.index_put_(at, sq.index_select(0, picked), accumulate=True)  # two pieces of one slot add up
-    comm.all_reduce(dense, ctx.group("data"))
+    comm.all_reduce(dense, ctx.replicas)
     sq.index_copy_(0, picked, dense[at])
 
 
@@ -219,7 +219,7 @@ def norm_from_slot_squares(
     parameter slot (``per_slot[i]``: parameter ``i``, placed by ``zero_slots[i]``; the same
     slots on every data rank). Collective over every axis of ``ctx``; ``per_slot`` is not changed."""
     per_slot = per_slot.clone()
-    comm.all_reduce(per_slot, ctx.group("data"))
+    comm.all_reduce(per_slot, ctx.replicas)
     stage = ctx.local_rank("pipeline")
     members: dict[tuple[str, ...], list[int]] = defaultdict(list)
     for i, placement in enumerate(zero_slots):

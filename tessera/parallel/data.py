@@ -175,7 +175,7 @@ class DataParallel(Strategy):
         self.optimizer = optimizer
         self.ctx = ctx
         allocate_module(module, ctx.device, lambda p: True)  # a deferred model: DDP needs real tensors
-        self.model = wrap_data_parallel(module, ctx.group("data"), ctx.device)
+        self.model = wrap_data_parallel(module, ctx.replicas, ctx.device)
 
     def forward(self, *args: Any, final: bool = True, **kwargs: Any) -> Any:
         if isinstance(self.model, DistributedDataParallel):
@@ -196,7 +196,7 @@ class AverageAtStep(Strategy):
         self.ctx = ctx
 
     def reduce_gradients(self) -> None:
-        group = self.ctx.group("data")
+        group = self.ctx.replicas
         params = [p for p in self.module.parameters() if p.grad is not None]
         if group.size == 1 or not params:
             return

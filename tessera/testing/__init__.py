@@ -27,6 +27,7 @@ def use_layout(
     depth: int = 1,
     sequence_parallel: bool | None = None,
     keep_blocks: bool | None = None,
+    sequence_mode: str | None = None,
     seed: int = 42,
     config: Any = None,
     device: str | torch.device = "cpu",
@@ -36,7 +37,8 @@ def use_layout(
     Collective the first time: every rank of the pool must ask for the same layout. With
     ``config`` (anything ``load_config`` takes) that config becomes the current run's, as after
     ``tessera.launch``; its ``parallel`` section must describe the same layout.
-    ``sequence_parallel`` and ``keep_blocks`` left None are the config's (False without one).
+    ``sequence_parallel``, ``keep_blocks`` and ``sequence_mode`` left None are the config's
+    (False, False and "ring" without one).
     ``device`` is where the context puts models and batches (``tessera.launch`` picks the
     rank's GPU under NCCL); one process can thus train on ``"cuda:0"`` without a process group.
     """
@@ -46,9 +48,13 @@ def use_layout(
         sequence_parallel = cfg is not None and cfg.parallel.tensor.sequence_parallel
     if keep_blocks is None:
         keep_blocks = cfg is not None and cfg.parallel.tensor.keep_blocks
-    dims = ParallelDims(world, data, pipeline, sequence, tensor, mode, depth, sequence_parallel, keep_blocks)
+    if sequence_mode is None:
+        sequence_mode = cfg.parallel.sequence.mode if cfg is not None else "ring"
+    dims = ParallelDims(
+        world, data, pipeline, sequence, tensor, mode, depth, sequence_parallel, keep_blocks, sequence_mode
+    )
     # the same process groups whatever the layers' options
-    groups_key = dataclasses.replace(dims, sequence_parallel=False, keep_blocks=False)
+    groups_key = dataclasses.replace(dims, sequence_parallel=False, keep_blocks=False, sequence_mode="ring")
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

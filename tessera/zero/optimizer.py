@@ -69,7 +69,7 @@ class ZeroOptimizer(WrapsOptimizer):
     ) -> None:
         self.policy = policy = options.policy
         self.ctx = ctx
-        self.group = ctx.group("data")
+        self.group = ctx.replicas
         self.optimizer = optimizer
         self.overlap_comm = options.overlap_comm
         self.param_dtype = PARAM_DTYPES[options.precision]

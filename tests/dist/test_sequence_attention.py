@@ -52,7 +52,7 @@ def body_matches(lengths):
                 q, k, v, w, keep = _inputs(length, padded_keys, seed=length)
                 expected = _reference(q, k, v, w, keep, causal)
                 for mode in MODES:
-                    layout = layout_for(mode, causal, length, n)
+                    layout = layout_for(mode, length, n)
                     mine = [layout.split(t, 2, rank).requires_grad_() for t in (q, k, v)]
                     local_keep = None if keep is None else layout.split(keep, 1, rank, pad_value=False)
                     out = sequence_attention(*mine, group, layout, mode, causal, local_keep)
@@ -86,7 +86,7 @@ def body_ledger():
     q, k, v, w, _ = _inputs(length, False, seed=3)
     sent = {}
     for mode in MODES:
-        layout = layout_for(mode, True, length, n)
+        layout = layout_for(mode, length, n)
         mine = [layout.split(t, 2, rank).requires_grad_() for t in (q, k, v)]
         with comm.ledger() as forward:
             out = sequence_attention(*mine, group, layout, mode, causal=True)
@@ -161,7 +161,7 @@ def _ring_saved_bytes(group, n: int, rank: int) -> int:
     """Bytes autograd keeps for ring attention's backward on this rank (saved-tensor hooks)."""
     length = 32
     q, k, v, _, _ = _inputs(length, False, seed=5)
-    layout = layout_for("ring", True, length, n)
+    layout = layout_for("ring", length, n)
     mine = [layout.split(t, 2, rank).requires_grad_() for t in (q, k, v)]
     saved = [0]
 

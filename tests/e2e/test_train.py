@@ -39,8 +39,8 @@ def test_a_short_training_run_writes_the_run_folder(tmp_path):
 def test_train_rejects_a_bad_config_before_starting_processes():
     out = run([*tessera_cmd(), "train", "--set", "paralel.data=2"], timeout=60)
     assert out.returncode == 2 and "did you mean 'parallel'" in out.stderr
-    out = run([*tessera_cmd(), "train", "--set", "parallel.sequence.size=2"], timeout=60)
-    assert out.returncode == 2 and "sequence parallelism is not available yet" in out.stderr, out.stderr
+    out = run([*tessera_cmd(), "train", "--set", "parallel.sequence.mode=ulysses"], timeout=60)
+    assert out.returncode == 2 and "parallel.sequence.mode" in out.stderr, out.stderr
     out = run([*tessera_cmd(), "train", "--set", "parallel.pipeline.size=8"], timeout=60)  # tiny GPT: 6 layers
     assert out.returncode == 2 and "has only 6 layers" in out.stderr, out.stderr
 

@@ -19,6 +19,7 @@ from tessera.config import (
     render_docs,
     require_available,
 )
+from tessera.context import ParallelDims
 from tessera.errors import ConfigError, NotAvailableError
 from tessera.testing import free_port
 
@@ -197,12 +198,26 @@ def test_more_pipeline_parts_than_model_layers_fail_at_config_time():
         check_model_layout(load_config({"parallel": {"pipeline": {"size": 8}}}))
 
 
-def test_features_not_built_yet_fail_clearly_when_used():
+def test_features_not_built_yet_fail_clearly_when_used(monkeypatch):
     require_available(load_config({}))
     require_available(load_config({"zero": {"stage": 2}}))  # built: accepted
     require_available(load_config({"gemini": {"device_budget": "1GiB"}}))  # built: accepted
+    require_available(load_config({"parallel": {"sequence": {"size": 2, "mode": "all_to_all"}}}))  # built
+    # the mechanism a feature announced in the config but not built yet goes through
+    from tessera.config import loading
+
+    planned = ("parallel.sequence.size", lambda c: c.parallel.sequence.size > 1, "sequence parallelism")
+    monkeypatch.setattr(loading, "_NOT_BUILT", [planned])
     with pytest.raises(NotAvailableError, match=r"parallel\.sequence\.size: sequence parallelism is not available yet"):
         require_available(load_config({"parallel": {"sequence": {"size": 2}}}))
+
+
+def test_sequence_parallelism_layouts_are_checked():
+    with pytest.raises(ConfigError, match="ring_qk"):
+        load_config({"parallel": {"sequence": {"size": 2, "mode": "ulysses"}}})
+    with pytest.raises(ConfigError, match="sequence parallelism composes with 1d tensor parallelism"):
+        ParallelDims(world_size=8, sequence=2, tensor=4, tensor_mode="2d")
+    assert ParallelDims(world_size=8, sequence=2, tensor=2, sequence_mode="ring_qk").data == 2
 
 
 def test_docs_reference_matches_the_code():

@@ -14,12 +14,13 @@ from tessera.parallel.sequence.ulysses import masked_attention, ulysses_attentio
 MODES = {"ring_qk": ring_self_attention, "ring": ring_attention, "all_to_all": ulysses_attention}
 
 
-def layout_for(mode: str, causal: bool, length: int, size: int) -> SequenceLayout:
-    """The layout a mode works best with: zigzag for causal ring attention (balanced work),
-    contiguous otherwise."""
+def layout_for(mode: str, length: int, size: int) -> SequenceLayout:
+    """The layout each mode splits sequences in: zigzag for ring attention (a causal mask then
+    gives every rank the same work), contiguous for the others. Sequence lengths that do not
+    divide into its pieces are padded (see :class:`SequenceLayout`)."""
     if mode not in MODES:
         raise ValueError(f"sequence parallelism mode {mode!r} is not one of {sorted(MODES)}")
-    return SequenceLayout(length, size, zigzag=mode == "ring" and causal and size > 1)
+    return SequenceLayout(length, size, zigzag=mode == "ring" and size > 1)
 
 
 def sequence_attention(
