@@ -34,6 +34,7 @@ _EXPORTS: dict[str, str] = {
     "launch_from_torch": "tessera.launcher",
     "shutdown": "tessera.launcher",
     "current_config": "tessera.session",
+    "checkpoint_blocks": "tessera.nn.recompute",
     "deferred_init": "tessera.init",
     "initialize": "tessera.session",
 }
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
     )
     from tessera.init import deferred_init
     from tessera.launcher import launch, launch_from_openmpi, launch_from_slurm, launch_from_torch, shutdown
+    from tessera.nn.recompute import checkpoint_blocks
     from tessera.session import current_config, initialize
 
 
@@ -83,6 +85,7 @@ __all__ = [
     "ParallelDims",
     "TesseraError",
     "__version__",
+    "checkpoint_blocks",
     "current_config",
     "deferred_init",
     "get_context",

@@ -69,4 +69,6 @@ def training_options(config: Config) -> TrainingOptions:
         gemini=gemini,
         pipeline=pipeline,
         seed=config.seed,
+        recompute=config.activation_checkpoint.mode,
+        recompute_every=config.activation_checkpoint.every,
     )

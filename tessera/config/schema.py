@@ -111,6 +111,11 @@ class ParallelConfig:
     def validate(self, path: str) -> None:
         if self.data is not None and self.data < 1:
             raise ConfigError(f"{path}data={self.data} must be at least 1")
+        if self.sequence.size > 1 and self.tensor.size > 1 and self.tensor.mode != "1d":
+            raise ConfigError(
+                f"sequence parallelism composes with 1d tensor parallelism, not {self.tensor.mode!r}: "
+                f"use {path}tensor.mode='1d' or {path}sequence.size=1"
+            )
 
 
 @dataclass(frozen=True)
@@ -127,6 +132,20 @@ class ZeroConfig:
             raise ConfigError(f"{path}bucket_mb={self.bucket_mb} must be positive")
         if self.offload_optimizer != "none" and self.stage == 0:
             raise ConfigError(f"{path}offload_optimizer={self.offload_optimizer!r} needs stage >= 1")
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointConfig:
+    mode: Literal["none", "full", "selective"] = _field(
+        "none",
+        "none; full: a block keeps only its inputs and runs again in the backward; selective: a block keeps "
+        "its matmul outputs and recomputes attention scores and elementwise ops.",
+    )
+    every: int = _field(1, "Checkpoint one block in every `every` (the first, then every `every`-th).")
+
+    def validate(self, path: str) -> None:
+        if self.every < 1:
+            raise ConfigError(f"{path}every={self.every} must be at least 1")
 
 
 _BYTE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -345,6 +364,9 @@ class Config:
     parallel: ParallelConfig = _section(ParallelConfig, "The parallel layout.")
     zero: ZeroConfig = _section(ZeroConfig, "ZeRO sharding of optimizer states, gradients and parameters.")
     gemini: GeminiConfig = _section(GeminiConfig, "Chunk-based heterogeneous memory management.")
+    activation_checkpoint: ActivationCheckpointConfig = _section(
+        ActivationCheckpointConfig, "Activations recomputed in the backward pass instead of kept (tessera's blocks)."
+    )
     mixed_precision: MixedPrecisionConfig = _section(MixedPrecisionConfig, "Mixed precision and loss scaling.")
     gradient_accumulation: int = _field(1, "Micro-batches accumulated per optimizer step.")
     clip_grad_norm: float | None = _field(None, "Clip gradients to this global norm; None: no clipping.")

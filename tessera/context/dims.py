@@ -135,11 +135,6 @@ class ParallelDims:
             raise ConfigError(
                 f"parallel.sequence.mode={self.sequence_mode!r} is not one of {', '.join(SEQUENCE_MODES)}"
             )
-        if self.sequence > 1 and self.tensor > 1 and self.tensor_mode != "1d":
-            raise ConfigError(
-                f"sequence parallelism composes with 1d tensor parallelism, not {self.tensor_mode!r}: "
-                "use parallel.tensor.mode='1d' or parallel.sequence.size=1"
-            )
         model = self.pipeline * self.sequence * self.tensor
         sizes = f"pipeline={self.pipeline} x sequence={self.sequence} x tensor={self.tensor}"
         if self.data is None:

@@ -59,6 +59,15 @@ class RNGStreams:
         digest = hashlib.sha256(";".join(parts).encode()).digest()
         return int.from_bytes(digest[:8], "little") % 2**63
 
+    def snapshot(self) -> dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor | None]]:
+        """Where every stream stands now (for a recompute that must draw the same numbers)."""
+        return dict(self._states)
+
+    def restore(self, snapshot: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        """Put every stream back where :meth:`snapshot` found it (a stream not begun then
+        begins again from its seed)."""
+        self._states = dict(snapshot)
+
     @contextmanager
     def fork(self, *distinct_along: str) -> Iterator[None]:
         """Draw from the stream of ``distinct_along`` inside the block; the default stream is

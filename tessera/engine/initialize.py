@@ -26,6 +26,7 @@ from tessera.init.materialise import Source, capture, check_recording, loadable,
 from tessera.init.recording import recording_of
 from tessera.memory.deferred import to_device
 from tessera.memory.report import peak_rss_bytes
+from tessera.nn.recompute import checkpoint_blocks
 from tessera.parallel.data import AverageAtStep, DataParallel, distributed_loader
 from tessera.parallel.pipeline.partition import blocks_of
 from tessera.parallel.pipeline.stage import PipelineStage
@@ -71,6 +72,7 @@ def initialize(
         to_device(model, ctx.device)
     else:
         model.to(ctx.device)
+    checkpoint_blocks(model, mode=options.recompute, every=options.recompute_every, ctx=ctx)
     strategy = choose_strategy(model, optimizer, criterion, ctx, options)
     if rec is not None or not (isinstance(init, str) and init == "random"):
         if rec is None:

@@ -31,7 +31,9 @@ class TrainingOptions:
     norm bound (None: no clipping); ``zero``: the sharded optimizer's settings (None: ZeRO off);
     ``gemini``: the chunk memory manager's settings (None: Gemini off);
     ``pipeline``: how to cut and run pipeline stages (used when the layout has them); ``seed``:
-    the data loaders' shuffling seed.
+    the data loaders' shuffling seed; ``recompute`` and ``recompute_every``: activation
+    checkpointing of the model's blocks ("none", "full", "selective"; one block in every
+    ``recompute_every``).
     """
 
     precision: str = "fp32"
@@ -42,6 +44,8 @@ class TrainingOptions:
     gemini: GeminiOptions | None = None
     pipeline: PipelineOptions = PipelineOptions()
     seed: int = 42
+    recompute: str = "none"
+    recompute_every: int = 1
 
     def __post_init__(self) -> None:
         if self.precision == "fp16" and self.loss_scale is None:

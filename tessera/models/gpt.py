@@ -33,6 +33,9 @@ class GPTConfig:
     n_heads: int = _field(4, "Attention heads per block; must divide d_model.")
     d_ff: int | None = _field(None, "Hidden width of the MLP; None means 4 * d_model (see `ff_dim`).")
     dropout: float = _field(0.0, "Dropout on embeddings, attention weights and residual branches (training only).")
+    attention_dropout: float | None = _field(
+        None, "Dropout on the attention weights alone; None: `dropout` (sequence parallelism needs 0)."
+    )
     tie_weights: bool = _field(True, "Share one matrix between the token embedding and the output head.")
     layer_norm_eps: float = _field(1e-5, "Epsilon of every LayerNorm.")
 
@@ -46,6 +49,8 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout={self.dropout} must be in [0, 1)")
+        if self.attention_dropout is not None and not 0.0 <= self.attention_dropout < 1.0:
+            raise ValueError(f"GPTConfig.attention_dropout={self.attention_dropout} must be in [0, 1)")
         if self.layer_norm_eps <= 0:
             raise ValueError(f"GPTConfig.layer_norm_eps={self.layer_norm_eps} must be positive")
 
@@ -89,7 +94,15 @@ class GPT(nn.Module):
         self.pos_emb = tnn.Embedding(config.max_seq_len, config.d_model)
         self.dropout = tnn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(
-            Block(config.d_model, config.n_heads, config.ff_dim, config.dropout, config.layer_norm_eps, causal=True)
+            Block(
+                config.d_model,
+                config.n_heads,
+                config.ff_dim,
+                config.dropout,
+                config.layer_norm_eps,
+                causal=True,
+                attention_dropout=config.attention_dropout,
+            )
             for _ in range(config.n_layers)
         )
         self.ln_f = tnn.LayerNorm(config.d_model, eps=config.layer_norm_eps)

@@ -17,13 +17,15 @@ from tessera.parallel.tensor.common import local_shard
 class SelfAttention(nn.Module):
     """Multi-head self-attention over this rank's heads: ``[b, s, h]`` in the mode's layout."""
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float, causal: bool) -> None:
+    def __init__(
+        self, d_model: int, n_heads: int, dropout: float, causal: bool, attention_dropout: float | None = None
+    ) -> None:
         super().__init__()
         parts = tnn.hidden_parts()
         if n_heads % parts:
             raise ValueError(f"{n_heads} attention heads cannot be split into the {parts} hidden blocks of the layout")
         self.head_dim = d_model // n_heads
-        self.dropout = dropout
+        self.dropout = dropout if attention_dropout is None else attention_dropout  # on the attention weights
         self.causal = causal
         self.qkv = tnn.Linear(d_model, 3 * d_model, out_groups=3)
         self.out = tnn.Linear(d_model, d_model, input_is_parallel=True)
@@ -52,13 +54,23 @@ class MLP(nn.Module):
         return self.dropout(self.proj(self.act(self.fc(x))))
 
 
+@tnn.mark_block  # what activation checkpointing recomputes
 class Block(nn.Module):
     """``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``."""
 
-    def __init__(self, d_model: int, n_heads: int, ff_dim: int, dropout: float, eps: float, causal: bool) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        ff_dim: int,
+        dropout: float,
+        eps: float,
+        causal: bool,
+        attention_dropout: float | None = None,
+    ) -> None:
         super().__init__()
         self.ln_1 = tnn.LayerNorm(d_model, eps=eps)
-        self.attn = SelfAttention(d_model, n_heads, dropout, causal)
+        self.attn = SelfAttention(d_model, n_heads, dropout, causal, attention_dropout)
         self.ln_2 = tnn.LayerNorm(d_model, eps=eps)
         self.mlp = MLP(d_model, ff_dim, dropout)
 

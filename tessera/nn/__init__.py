@@ -27,6 +27,7 @@ from tessera.nn.layers import (
     split_activation,
     split_region_rng,
 )
+from tessera.nn.recompute import checkpoint_blocks, mark_block
 from tessera.nn.sequence import attention, positions
 from tessera.parallel.tensor import plain
 
@@ -45,10 +46,12 @@ __all__ = [
     "VocabParallelEmbedding",
     "attention",
     "batch_parts",
+    "checkpoint_blocks",
     "enter_sequence_parallel",
     "exit_sequence_parallel",
     "gather_activation",
     "hidden_parts",
+    "mark_block",
     "plain",
     "positions",
     "resolve_context",

@@ -22,6 +22,11 @@ from torch.utils._pytree import tree_flatten
 from tessera.memory.chunks import Chunk, ChunkState, ChunkStore, Slot
 
 
+def _recomputing() -> bool:
+    """Whether a forward runs inside a backward pass (an activation checkpoint's recompute)."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
 class ReleaseOnUse:
     """Gather/release hooks on ``model`` for the chunks of ``store`` (``slot_of``: a parameter's
     id to its chunk and slot). The sharded optimizer releases a chunk once its gradients are
@@ -96,12 +101,18 @@ class ReleaseOnUse:
 
     def _make_pre_forward(self, chunks: list[Chunk]) -> Any:
         def pre_forward(module: nn.Module, args: Any) -> None:
+            if _recomputing():  # activation checkpointing runs the module again: its chunks only need to be there
+                for c in chunks:
+                    c.gather()
+                return
             self._gather(chunks)
 
         return pre_forward
 
     def _make_post_forward(self, chunks: list[Chunk]) -> Any:
         def post_forward(module: nn.Module, args: Any, output: Any) -> None:
+            if _recomputing():  # released with their gradients, as after the backward reached them
+                return
             for c in chunks:
                 self._left[c.index] = self._left.get(c.index, 0) - 1
                 if self._left[c.index] == 0:

@@ -216,7 +216,9 @@ def test_sequence_parallelism_layouts_are_checked():
     with pytest.raises(ConfigError, match="ring_qk"):
         load_config({"parallel": {"sequence": {"size": 2, "mode": "ulysses"}}})
     with pytest.raises(ConfigError, match="sequence parallelism composes with 1d tensor parallelism"):
-        ParallelDims(world_size=8, sequence=2, tensor=4, tensor_mode="2d")
+        load_config({"parallel": {"sequence": 2, "tensor": {"size": 4, "mode": "2d"}}})
+    with pytest.raises(ConfigError, match="parallel.sequence.mode='ring_attention' is not one of"):
+        ParallelDims(world_size=2, sequence=2, sequence_mode="ring_attention")
     assert ParallelDims(world_size=8, sequence=2, tensor=2, sequence_mode="ring_qk").data == 2
 
 

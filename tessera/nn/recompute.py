@@ -1,0 +1,188 @@
+"""Activation checkpointing: blocks whose activations are recomputed in the backward pass
+instead of kept from the forward.
+
+``full``: a block keeps only its inputs; its whole forward runs again when the backward reaches
+it. ``selective``: a block keeps the outputs of its matrix multiplies (the Linear layers' ``mm``
+and ``addmm``) and recomputes the rest: attention scores and probabilities, and the elementwise
+ops (LayerNorm, GELU, dropout, residual adds), which are cheap to redo and hold most of the
+bytes. Both are built on ``torch.utils.checkpoint`` (non-reentrant); for ``selective`` a
+dispatch mode keeps the matmul outputs in the forward and hands them back in the recompute
+(any number of recomputes: zero-bubble's split backward runs one per half).
+
+The recompute draws the same random numbers as the forward: torch's default generators are
+restored by ``torch.utils.checkpoint`` and tessera's per-axis streams (tensor-parallel dropout)
+by :class:`_SameStreams`, so dropout masks replay exactly and the gradients are bitwise those of
+training without checkpointing.
+
+Which modules are blocks: ``checkpoint_blocks(model, predicate)``, or by default every module
+marked with :func:`mark_block` (tessera's transformer blocks are).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+from tessera.context import ParallelContext
+from tessera.context.rng import RNGStreams
+from tessera.nn.layers import resolve_context
+
+MODES = ("none", "full", "selective")
+_BLOCK = "_tessera_block"
+_SAVED_OPS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default})
+
+
+def mark_block(cls: type[nn.Module]) -> type[nn.Module]:
+    """Mark a module class as a block that :func:`checkpoint_blocks` recomputes by default."""
+    setattr(cls, _BLOCK, True)
+    return cls
+
+
+def is_block(name: str, module: nn.Module) -> bool:
+    return bool(getattr(type(module), _BLOCK, False))
+
+
+_COUNTERS: list[list[int]] = []
+
+
+@contextlib.contextmanager
+def kept_matmul_bytes() -> Iterator[list[int]]:
+    """Count the bytes of the matmul outputs selective checkpointing keeps in the ``with``
+    block (``counter[0]``): they live in the checkpoint, where saved-tensor hooks do not see
+    them."""
+    counter = [0]
+    _COUNTERS.append(counter)
+    try:
+        yield counter
+    finally:
+        _COUNTERS.remove(counter)
+
+
+class _KeepMatmuls(TorchDispatchMode):
+    """The original forward of a selectively checkpointed block: the outputs of its matrix
+    multiplies are kept (and counted)."""
+
+    def __init__(self, kept: list[tuple[torch.Tensor, int]]) -> None:
+        super().__init__()
+        self.kept = kept
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in _SAVED_OPS:
+            self.kept.append((out, out._version))
+            for counter in _COUNTERS:
+                counter[0] += out.numel() * out.element_size()
+        return out
+
+
+class _ReuseMatmuls(TorchDispatchMode):
+    """A recompute of a selectively checkpointed block: its matrix multiplies give the kept
+    outputs, in order, instead of running; everything else runs again. Every recompute starts
+    from the first (a split backward, zero-bubble's, recomputes a block twice)."""
+
+    def __init__(self, kept: list[tuple[torch.Tensor, int]]) -> None:
+        super().__init__()
+        self.kept = kept
+        self.next = 0
+
+    def __enter__(self) -> _ReuseMatmuls:
+        self.next = 0
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func not in _SAVED_OPS:
+            return func(*args, **(kwargs or {}))
+        out, version = self.kept[self.next]
+        self.next += 1
+        if out._version != version:
+            raise RuntimeError(
+                "selective activation checkpointing: a kept matmul output was changed in place after the forward "
+                "pass; use mode 'full' for this block"
+            )
+        return out
+
+
+def _selective_contexts() -> tuple[_KeepMatmuls, _ReuseMatmuls]:
+    kept: list[tuple[torch.Tensor, int]] = []
+    return _KeepMatmuls(kept), _ReuseMatmuls(kept)
+
+
+class _SameStreams:
+    """A block's forward, run twice (forward, then recompute) from the same state of tessera's
+    random streams: the first run notes the state; the recompute starts from it and leaves the
+    streams where the forward had left them."""
+
+    def __init__(self, forward: Callable[..., Any], streams: RNGStreams | None) -> None:
+        self.forward = forward
+        self.streams = streams
+        self.start: Any = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.streams is None:
+            return self.forward(*args, **kwargs)
+        if self.start is None:
+            self.start = self.streams.snapshot()
+            return self.forward(*args, **kwargs)
+        after = self.streams.snapshot()
+        self.streams.restore(self.start)
+        try:
+            return self.forward(*args, **kwargs)
+        finally:
+            self.streams.restore(after)
+
+
+def _install(module: nn.Module, mode: str, streams: RNGStreams | None) -> None:
+    original = module.forward
+    context_fn: Any = _selective_contexts if mode == "selective" else None
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        options: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": True}
+        if context_fn is not None:
+            options["context_fn"] = context_fn
+        return checkpoint(_SameStreams(original, streams), *args, **options, **kwargs)
+
+    module.forward = forward  # type: ignore[method-assign]
+    module._tessera_recompute = mode  # type: ignore[assignment]
+
+
+def checkpoint_blocks(
+    model: nn.Module,
+    predicate: Callable[[str, nn.Module], bool] | None = None,
+    mode: str = "full",
+    every: int = 1,
+    ctx: ParallelContext | None = None,
+) -> list[str]:
+    """Recompute the activations of ``model``'s blocks (the submodules for which
+    ``predicate(name, module)`` holds; by default those marked with :func:`mark_block`), one
+    in every ``every`` of them (the first, then every ``every``-th), in ``mode`` "full" or
+    "selective" ("none" does nothing). Returns the names of the blocks it set up."""
+    if mode not in MODES:
+        raise ValueError(f"activation checkpoint mode {mode!r} is not one of {', '.join(MODES)}")
+    if every < 1:
+        raise ValueError(f"activation checkpoint every={every} must be at least 1")
+    if mode == "none":
+        return []
+    predicate = predicate or is_block
+    ctx = resolve_context(ctx)
+    streams = ctx.rng if ctx is not None else None
+    chosen = [(name, m) for name, m in model.named_modules() if name and predicate(name, m)]
+    done = []
+    for i, (name, module) in enumerate(chosen):
+        if i % every:
+            continue
+        if getattr(module, "_tessera_recompute", None) is not None:
+            raise ValueError(f"{name} is already checkpointed ({module._tessera_recompute})")
+        _install(module, mode, streams)
+        done.append(name)
+    return done
+
+
+__all__ = ["MODES", "checkpoint_blocks", "is_block", "kept_matmul_bytes", "mark_block"]
