@@ -72,6 +72,7 @@ BENCH_TARGETS: dict[str, str] = {  # name -> "module:function"; each strategy ad
     "ckpt": "tessera.bench.ckpt:main",
     "init": "tessera.bench.init:main",
     "gemini": "tessera.bench.gemini:main",
+    "sp": "tessera.bench.sp:main",
 }
 
 # name -> what it measures, how long it takes on 2 CPU cores, what it needs
@@ -89,6 +90,9 @@ BENCH_HELP: dict[str, str] = {
     "gemini": "Gemini vs DeepSpeed ZeRO-3 with CPU and NVMe offload, 2 ranks, GPT small; and a GPT of 4x the "
     "host budget trained within it through the disk tier, 1 rank (about 2 min), and the largest GPT each trains under 768 MiB per rank (about 6 min); the DeepSpeed rows need the "
     "bench extra, the NVMe row also libaio (apt install libaio-dev)",
+    "sp": "the longest GPT sequence that trains under 96 MiB per rank with each sequence-parallel mode on 1, 2 "
+    "and 4 ranks against 1D tensor parallelism with sequence-parallel regions; ring attention's forward against "
+    "torch context_parallel, 2 ranks (about 10 min)",
 }
 
 

@@ -79,7 +79,9 @@ def body_pieces(name: str, local_norms: bool) -> list[torch.Tensor] | tuple[list
         pieces.append(piece)
         ranges.append((slot, start, end))
     # local_norms: a context with no ranks to sum over, to show that the test tells the difference
-    stub = SimpleNamespace(size=lambda axis: 1, group=lambda axis: single_rank_group(axis))
+    stub = SimpleNamespace(
+        size=lambda axis: 1, group=lambda axis: single_rank_group(axis), replicas=single_rank_group("data")
+    )
     opt = cls(pieces, **kw, ctx=stub if local_norms else ctx)  # type: ignore[arg-type]
     for x, y in piece_batches():
         grads = full_gradients(model, x, y)  # every rank computes the same full gradients

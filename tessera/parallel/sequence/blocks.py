@@ -53,10 +53,27 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
+def _fused(q: torch.Tensor, keep: torch.Tensor | None) -> bool:
+    """Whether torch's fused CPU kernel (which returns the log-sum-exp) can run this block:
+    a CPU block without a mask (a whole block, or a causal diagonal one)."""
+    return keep is None and q.device.type == "cpu"
+
+
+def _causal_keep(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    return torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+
+
 def attend_block(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, keep: torch.Tensor | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, keep: torch.Tensor | None, causal: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output [b, h, sq, d] and log-sum-exp [b, h, sq] of ``q`` over one key block."""
+    """Output [b, h, sq, d] and log-sum-exp [b, h, sq] of ``q`` over one key block; ``causal``
+    (with no ``keep``): a diagonal block, query i sees keys up to i. On CPU a block without a
+    mask runs in torch's fused kernel, otherwise in plain PyTorch (the same values to rounding)."""
+    if _fused(q, keep):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse
+    if causal and keep is None:
+        keep = _causal_keep(q, k)
     scores = _scores(q, k, scale, keep)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - _finite(lse).unsqueeze(-1))
@@ -83,10 +100,20 @@ def block_grads(
     keep: torch.Tensor | None,
     lse: torch.Tensor,
     grad_out: torch.Tensor,
+    out: torch.Tensor,
     delta: torch.Tensor,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (dq, dk, dv) of one block, from the rows' final ``lse`` [b, h, sq], the
-    output's gradient [b, h, sq, d] and ``delta`` = rowsum(grad_out * out) [b, h, sq]."""
+    """Gradients (dq, dk, dv) of one block, from the rows' final output ``out`` [b, h, sq, d] and
+    log-sum-exp ``lse`` [b, h, sq] over every block, the output's gradient ``grad_out`` and
+    ``delta`` = rowsum(grad_out * out) [b, h, sq]; ``causal`` as in :func:`attend_block`."""
+    if _fused(q, keep):
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
+        return grads[0], grads[1], grads[2]
+    if causal and keep is None:
+        keep = _causal_keep(q, k)
     probs = torch.exp(_scores(q, k, scale, keep) - _finite(lse).unsqueeze(-1))
     dv = torch.matmul(probs.transpose(-1, -2), grad_out)
     dprobs = torch.matmul(grad_out, v.transpose(-1, -2))

@@ -42,18 +42,27 @@ class _Pieces:
 
 def _pairs(
     pieces: _Pieces, rank: int, origin: int, causal: bool, key_keep: torch.Tensor | None
-) -> list[tuple[slice, slice, torch.Tensor | None]]:
-    """(query slice, key slice, keep mask) of each piece pair with something to attend."""
+) -> list[tuple[slice, slice, torch.Tensor | None, bool]]:
+    """(query slice, key slice, keep mask, diagonal) of each piece pair with something to
+    attend: a pair of whole pieces needs no mask (every key is attended to, or, for a piece
+    with itself under a causal mask, the diagonal rule); the others get one."""
     out = []
+    length = pieces.layout.length
     for q_off, q_n, q_pos in pieces.of[rank]:
         for k_off, k_n, k_pos in pieces.of[origin]:
             if causal and int(k_pos[0]) > int(q_pos[-1]):
                 continue  # every key of the piece comes after every query
-            if int(k_pos[0]) >= pieces.layout.length:
+            if int(k_pos[0]) >= length:
                 continue  # all padding
-            pad = None if key_keep is None else key_keep[:, k_off : k_off + k_n]
-            keep = keep_mask(q_pos, k_pos, pieces.layout.length, causal, pad)
-            out.append((slice(q_off, q_off + q_n), slice(k_off, k_off + k_n), keep))
+            whole = key_keep is None and int(k_pos[-1]) < length
+            diagonal = causal and whole and q_n == k_n and int(q_pos[0]) == int(k_pos[0])
+            if whole and (diagonal or not causal or int(k_pos[-1]) < int(q_pos[0])):
+                keep = None
+            else:
+                pad = None if key_keep is None else key_keep[:, k_off : k_off + k_n]
+                keep = keep_mask(q_pos, k_pos, length, causal, pad)
+                diagonal = False
+            out.append((slice(q_off, q_off + q_n), slice(k_off, k_off + k_n), keep, diagonal))
     return out
 
 
@@ -79,8 +88,8 @@ class _RingAttention(torch.autograd.Function):
         def visit(origin: int, blocks: Blocks) -> None:
             k_blk, v_blk = blocks[0][0], blocks[0][1]
             keep_blk = blocks[1] != 0 if len(blocks) > 1 else None
-            for qs, ks, keep in _pairs(pieces, g.rank, origin, causal, keep_blk):
-                part, part_lse = attend_block(q[:, :, qs], k_blk[:, :, ks], v_blk[:, :, ks], scale, keep)
+            for qs, ks, keep, diagonal in _pairs(pieces, g.rank, origin, causal, keep_blk):
+                part, part_lse = attend_block(q[:, :, qs], k_blk[:, :, ks], v_blk[:, :, ks], scale, keep, diagonal)
                 out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], part.float(), part_lse.float())
 
         circulate(_blocks(k, v, key_keep), g, visit)
@@ -101,10 +110,10 @@ class _RingAttention(torch.autograd.Function):
             k_blk, v_blk = blocks[0][0], blocks[0][1]
             keep_blk = blocks[1] != 0 if len(blocks) > 1 else None
             dkv = torch.zeros((2, *k_blk.shape), dtype=torch.float32, device=q.device)
-            for qs, ks, keep in _pairs(pieces, g.rank, origin, causal, keep_blk):
+            for qs, ks, keep, diagonal in _pairs(pieces, g.rank, origin, causal, keep_blk):
                 dq_p, dk_p, dv_p = block_grads(
                     q[:, :, qs], k_blk[:, :, ks], v_blk[:, :, ks], scale, keep,
-                    lse[:, :, qs], grad_out[:, :, qs], delta[:, :, qs],
+                    lse[:, :, qs], grad_out[:, :, qs], out[:, :, qs], delta[:, :, qs], diagonal,
                 )  # fmt: skip
                 dq[:, :, qs] += dq_p.float()
                 dkv[0][:, :, ks] += dk_p.float()

@@ -1,0 +1,216 @@
+"""``tessera bench sp``: how long a sequence trains under a fixed memory budget per rank with
+sequence parallelism, against 1D tensor parallelism with sequence-parallel regions on as many
+ranks; and the speed of ring attention against torch's ``context_parallel``.
+
+Rows:
+
+- ``longest``: a GPT of width 64 with 2 blocks and 4 heads (byte vocabulary) trains one step on
+  one sequence of a given length; a length fits when every rank's peak RSS during the step stays
+  within ``BUDGET`` above the rank's resident size before it (the model, its optimizer and the
+  process are outside the budget). For each mode on 1, 2 and 4 ranks of the sequence axis, and
+  for 1D tensor parallelism with sequence-parallel regions on 2 and 4 ranks, the longest length
+  of ``LENGTHS`` that fits (lengths grow until one does not). Ratios: each mode's longest on N
+  ranks against its longest on one rank (the target for ``ring``: at least 0.9 N), and against
+  tensor parallelism's on N ranks.
+- ``forward``: the forward time of one attention layer (qkv projection, non-causal attention,
+  output projection) on ``SPEED_LENGTH`` tokens over 2 ranks: tessera's ring attention against
+  torch's ``context_parallel`` (the only configuration it runs on CPU: its causal attention and
+  its backward have no CPU kernel there), both in one pool, alternating blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+from typing import Any
+
+import torch
+
+from tessera.bench.report import Row, print_rows, write_rows
+
+_MIB = 2**20
+BUDGET = 96 * _MIB
+LENGTHS = (512, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576)
+SPEED_LENGTH = 4096
+MODES = ("ring_qk", "ring", "all_to_all")
+
+
+def _config(system: str, mode: str, ranks: int) -> dict[str, Any]:
+    if ranks == 1:
+        return {}
+    if system == "sp":
+        return {"parallel": {"sequence": {"size": ranks, "mode": mode}}}
+    return {"parallel": {"tensor": {"size": ranks, "sequence_parallel": True}}}
+
+
+def _step_growth(system: str, mode: str, ranks: int, length: int) -> int | None:
+    """This rank's peak RSS above its resident size while the GPT trains one step on one
+    sequence of ``length`` tokens (None where /proc cannot tell)."""
+    import tessera
+    from tessera.memory.report import peak_rss_bytes, reset_peak_rss, trim_heap
+    from tessera.models import NextTokenLoss, gpt
+    from tessera.testing import use_layout
+
+    config = _config(system, mode, ranks)
+    sequence = ranks if system == "sp" else 1
+    use_layout(sequence=sequence, tensor=ranks // sequence, config=config)
+    torch.manual_seed(0)
+    model = gpt("tiny", vocab_size=256, max_seq_len=length, d_model=64, n_layers=2, n_heads=4)
+    engine, *_ = tessera.initialize(model, torch.optim.SGD(model.parameters(), lr=0.01), NextTokenLoss())
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 256, (1, length + 1), generator=g)
+    batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    gc.collect()
+    trim_heap()
+    if not reset_peak_rss():
+        return None
+    base = peak_rss_bytes()
+    engine.train_batch(iter([batch]))
+    peak = peak_rss_bytes()
+    del engine, model
+    gc.collect()
+    trim_heap()
+    return None if base is None or peak is None else peak - base
+
+
+def longest_body(system: str, mode: str, ranks: int) -> dict[int, int | None]:
+    """Growth per length on this rank, lengths in order until one exceeds the budget
+    (decided on the largest growth over the ranks, so that every rank stops together)."""
+    from tessera import comm
+
+    seen: dict[int, int | None] = {}
+    for length in LENGTHS:
+        grown = _step_growth(system, mode, ranks, length)
+        worst = torch.tensor([float(grown if grown is not None else 0)])
+        if ranks > 1:
+            comm.all_reduce(worst, "world", op="max")
+        seen[length] = int(worst.item()) if grown is not None else None
+        if grown is None or worst.item() > BUDGET:
+            break
+    return seen
+
+
+def _longest(seen: dict[int, int | None]) -> int:
+    fits = [length for length, grown in seen.items() if grown is not None and grown <= BUDGET]
+    return max(fits) if fits else 0
+
+
+def longest_rows() -> tuple[list[Row], dict[str, dict[int, int | None]]]:
+    from tessera.testing import RankPool
+
+    found: dict[str, dict[int, int | None]] = {}
+    pools = {n: RankPool(n) for n in (1, 2, 4)}
+    try:
+        for ranks in (1, 2, 4):
+            sides = [("sp", mode) for mode in (MODES if ranks > 1 else ("plain",))]
+            sides += [("tp", "1d-sp")] if ranks > 1 else []
+            for system, mode in sides:
+                label = f"{system} {mode} x{ranks}" if ranks > 1 else "one rank"
+                found[label] = pools[ranks].run(longest_body, system, mode, ranks, timeout=3600)[0]
+                print(f"  {label}: longest {_longest(found[label])}", flush=True)
+    finally:
+        for pool in pools.values():
+            pool.close()
+    one = _longest(found["one rank"])
+    rows = []
+    for ranks in (2, 4):
+        tp = _longest(found[f"tp 1d-sp x{ranks}"])
+        for mode in MODES:
+            mine = _longest(found[f"sp {mode} x{ranks}"])
+            rows.append(Row(f"longest sp {mode} x{ranks} vs one rank", "tokens", mine, "one rank", one))
+            rows.append(Row(f"longest sp {mode} x{ranks} vs tp1d-sp", "tokens", mine, f"tp 1d-sp x{ranks}", tp))
+    return rows, found
+
+
+# ---- speed against torch's context_parallel --------------------------------------------------
+
+
+def speed_body(blocks: int, steps: int) -> dict[str, Any]:
+    """Forward time of one attention layer over ``SPEED_LENGTH`` tokens on 2 ranks, tessera's
+    ring attention against torch's context_parallel (non-causal)."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from tessera.bench.timing import alternate
+    from tessera.parallel.sequence import layout_for, sequence_attention
+    from tessera.testing import use_layout
+
+    ctx = use_layout(sequence=2, config={"parallel": {"sequence": {"size": 2, "mode": "ring"}}})
+    group = ctx.group("sequence")
+    torch.manual_seed(0)
+    d, heads = 256, 4
+    qkv, proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+    x = torch.randn(1, SPEED_LENGTH, d)
+    layout = layout_for("ring", SPEED_LENGTH, 2)
+    mine = layout.split(x, 1, group.rank)
+
+    def heads_of(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        b, s, _ = t.shape
+        return tuple(p.view(b, s, heads, d // heads).transpose(1, 2) for p in t.chunk(3, dim=-1))
+
+    def ours() -> None:
+        with torch.no_grad():
+            q, k, v = heads_of(qkv(mine))
+            y = sequence_attention(q, k, v, group, layout, "ring", causal=False)
+            proj(y.transpose(1, 2).reshape(1, -1, d))
+
+    sides: dict[str, Any] = {"tessera ring": ours}
+    note = ""
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+
+        mesh = init_device_mesh("cpu", (2,))
+
+        def theirs() -> None:
+            buffer = x.clone()
+            with torch.no_grad(), context_parallel(mesh, buffers=[buffer], buffer_seq_dims=[1]):
+                q, k, v = heads_of(qkv(buffer))
+                y = F.scaled_dot_product_attention(q, k, v)
+                proj(y.transpose(1, 2).reshape(1, -1, d))
+
+        theirs()
+        sides["torch context_parallel"] = theirs
+    except Exception as error:  # it does not run here: the row is absent, the reason printed
+        note = f"torch context_parallel does not run: {type(error).__name__}: {str(error)[:200]}"
+    for side in sides.values():
+        side()
+    times = alternate(sides, blocks, steps, ctx.group("world"))
+    return {"times": times, "note": note}
+
+
+def speed_rows(blocks: int = 6, steps: int = 2) -> tuple[list[Row], str]:
+    from tessera.testing import RankPool
+
+    pool = RankPool(2)
+    try:
+        out = pool.run(speed_body, blocks, steps, timeout=1800)[0]
+    finally:
+        pool.close()
+    times = {name: statistics.median(values) for name, values in out["times"].items()}
+    rows = []
+    if "torch context_parallel" in times:
+        name = f"attention forward {SPEED_LENGTH} tokens x2 non-causal"
+        rows.append(Row(name, "step_time_s", times["tessera ring"], "torch context_parallel",
+                        times["torch context_parallel"]))  # fmt: skip
+    return rows, out["note"]
+
+
+def main(args: argparse.Namespace) -> int:
+    rows, found = longest_rows()
+    speed, note = speed_rows()
+    rows += speed
+    print_rows(rows)
+    print(f"growth during one training step (MiB; budget {BUDGET / _MIB:.0f} MiB per rank):")
+    for label, seen in found.items():
+        grown = ", ".join(f"{n}: {'-' if g is None else f'{g / _MIB:.0f}'}" for n, g in seen.items())
+        print(f"  {label:<20} {grown}")
+    if note:
+        print(note)
+    if args.out:
+        write_rows(rows, args.out)
+    return 0
+
+
+__all__ = ["BUDGET", "LENGTHS", "longest_rows", "main", "speed_rows"]
