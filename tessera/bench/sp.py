@@ -4,12 +4,13 @@ ranks; and the speed of ring attention against torch's ``context_parallel``.
 
 Rows:
 
-- ``longest``: a GPT of width 64 with 2 blocks and 4 heads (byte vocabulary) trains one step on
-  one sequence of a given length; a length fits when every rank's peak RSS during the step stays
-  within ``BUDGET`` above the rank's resident size before it (the model, its optimizer and the
-  process are outside the budget). For each mode on 1, 2 and 4 ranks of the sequence axis, and
-  for 1D tensor parallelism with sequence-parallel regions on 2 and 4 ranks, the longest length
-  of ``LENGTHS`` that fits (lengths grow until one does not). Ratios: each mode's longest on N
+- ``longest``: a GPT of width 128 with 2 blocks and 4 heads (byte vocabulary, positions up to
+  ``MAX_LENGTH``) trains one step on one sequence of a given length; a length fits when every
+  rank's peak RSS during the step stays within ``BUDGET`` above the rank's resident size before
+  it (the model, its optimizer, buffers a first short step made, and the process are outside
+  the budget). For each mode on 1, 2 and 4 ranks of the sequence axis, and for 1D tensor
+  parallelism with sequence-parallel regions on 2 and 4 ranks, the longest length that fits
+  (found by doubling, then bisecting, in multiples of ``GRAIN``). Ratios: each mode's longest on N
   ranks against its longest on one rank (the target for ``ring``: at least 0.9 N), and against
   tensor parallelism's on N ranks.
 - ``forward``: the forward time of one attention layer (qkv projection, non-causal attention,
@@ -31,7 +32,9 @@ from tessera.bench.report import Row, print_rows, write_rows
 
 _MIB = 2**20
 BUDGET = 96 * _MIB
-LENGTHS = (512, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576)
+GRAIN = 256  # lengths are multiples of it (every layout's pieces divide it)
+MAX_LENGTH = 32768  # the position embedding's size in every run, so that it is the same model
+BISECTIONS = 3
 SPEED_LENGTH = 4096
 MODES = ("ring_qk", "ring", "all_to_all")
 
@@ -46,27 +49,31 @@ def _config(system: str, mode: str, ranks: int) -> dict[str, Any]:
 
 def _step_growth(system: str, mode: str, ranks: int, length: int) -> int | None:
     """This rank's peak RSS above its resident size while the GPT trains one step on one
-    sequence of ``length`` tokens (None where /proc cannot tell)."""
+    sequence of ``length`` tokens, after a warm-up step on a short one (so that buffers that do
+    not depend on the length, such as DDP's, already exist); None where /proc cannot tell."""
     import tessera
     from tessera.memory.report import peak_rss_bytes, reset_peak_rss, trim_heap
     from tessera.models import NextTokenLoss, gpt
     from tessera.testing import use_layout
 
-    config = _config(system, mode, ranks)
     sequence = ranks if system == "sp" else 1
-    use_layout(sequence=sequence, tensor=ranks // sequence, config=config)
+    use_layout(sequence=sequence, tensor=ranks // sequence, config=_config(system, mode, ranks))
     torch.manual_seed(0)
-    model = gpt("tiny", vocab_size=256, max_seq_len=length, d_model=64, n_layers=2, n_heads=4)
+    model = gpt("tiny", vocab_size=256, max_seq_len=MAX_LENGTH, d_model=128, n_layers=2, n_heads=4)
     engine, *_ = tessera.initialize(model, torch.optim.SGD(model.parameters(), lr=0.01), NextTokenLoss())
     g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, 256, (1, length + 1), generator=g)
-    batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+    def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.randint(0, 256, (1, n + 1), generator=g)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    engine.train_batch(iter([batch(GRAIN)]))
     gc.collect()
     trim_heap()
     if not reset_peak_rss():
         return None
     base = peak_rss_bytes()
-    engine.train_batch(iter([batch]))
+    engine.train_batch(iter([batch(length)]))
     peak = peak_rss_bytes()
     del engine, model
     gc.collect()
@@ -75,19 +82,33 @@ def _step_growth(system: str, mode: str, ranks: int, length: int) -> int | None:
 
 
 def longest_body(system: str, mode: str, ranks: int) -> dict[int, int | None]:
-    """Growth per length on this rank, lengths in order until one exceeds the budget
-    (decided on the largest growth over the ranks, so that every rank stops together)."""
+    """Growth per length tried on this rank: lengths double from ``GRAIN`` until one exceeds
+    the budget (or ``MAX_LENGTH`` fits), then ``BISECTIONS`` halvings of the interval between
+    the last that fit and the first that did not, in multiples of ``GRAIN``. Each length is
+    decided on the largest growth over the ranks, so that every rank tries the same ones."""
     from tessera import comm
+    from tessera.memory.report import map_large_allocations
 
+    map_large_allocations()  # freed blocks leave the process: the peak follows what is alive, on every side alike
     seen: dict[int, int | None] = {}
-    for length in LENGTHS:
+
+    def fits(length: int) -> bool:
         grown = _step_growth(system, mode, ranks, length)
-        worst = torch.tensor([float(grown if grown is not None else 0)])
+        worst = torch.tensor([float(grown if grown is not None else 2 * BUDGET)])
         if ranks > 1:
             comm.all_reduce(worst, "world", op="max")
         seen[length] = int(worst.item()) if grown is not None else None
-        if grown is None or worst.item() > BUDGET:
+        return bool(worst.item() <= BUDGET)
+
+    low, high = 0, GRAIN
+    while high <= MAX_LENGTH and fits(high):
+        low, high = high, 2 * high
+    high = min(high, MAX_LENGTH + GRAIN)
+    for _ in range(BISECTIONS):
+        middle = (low + high) // 2 // GRAIN * GRAIN
+        if middle in (low, high) or middle > MAX_LENGTH:
             break
+        low, high = (middle, high) if fits(middle) else (low, middle)
     return seen
 
 
@@ -213,4 +234,4 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["BUDGET", "LENGTHS", "longest_rows", "main", "speed_rows"]
+__all__ = ["BUDGET", "GRAIN", "MAX_LENGTH", "longest_rows", "main", "speed_rows"]
