@@ -73,6 +73,7 @@ BENCH_TARGETS: dict[str, str] = {  # name -> "module:function"; each strategy ad
     "init": "tessera.bench.init:main",
     "gemini": "tessera.bench.gemini:main",
     "sp": "tessera.bench.sp:main",
+    "recompute": "tessera.bench.recompute:main",
 }
 
 # name -> what it measures, how long it takes on 2 CPU cores, what it needs
@@ -93,6 +94,8 @@ BENCH_HELP: dict[str, str] = {
     "sp": "the longest GPT sequence that trains under 96 MiB per rank with each sequence-parallel mode on 1, 2 "
     "and 4 ranks against 1D tensor parallelism with sequence-parallel regions; ring attention's forward against "
     "torch context_parallel, 2 ranks (about 10 min)",
+    "recompute": "activation checkpointing (full, selective) of GPT small: bytes kept for the backward and step "
+    "time against none, 1 process (about 1 min)",
 }
 
 

@@ -28,12 +28,13 @@ from tessera.nn.layers import (
     split_region_rng,
 )
 from tessera.nn.recompute import checkpoint_blocks, mark_block
-from tessera.nn.sequence import attention, positions
+from tessera.nn.sequence import Attention, attention, positions
 from tessera.parallel.tensor import plain
 
 globals().update(EXPLICIT)  # Linear1D_Col, Linear2D, ... (tessera.nn.explicit)
 
 __all__ = [
+    "Attention",
     "Classifier",
     "CrossEntropyLoss",
     "Dropout",

@@ -39,6 +39,19 @@ def attention(
     return sequence_attention(q, k, v, group, layout, mode, causal, scale=scale)
 
 
+class Attention(torch.nn.Module):
+    """:func:`attention` as a module: ``Attention(causal=True)(q, k, v)``; ``dropout`` applies
+    in training only."""
+
+    def __init__(self, causal: bool = False, dropout: float = 0.0, scale: float | None = None) -> None:
+        super().__init__()
+        self.causal, self.dropout, self.scale = causal, dropout, scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        p = self.dropout if self.training else 0.0
+        return attention(q, k, v, causal=self.causal, dropout_p=p, scale=self.scale)
+
+
 def positions(local: int, device: torch.device | str = "cpu", ctx: ParallelContext | None = None) -> torch.Tensor:
     """Global positions [local] of this rank's ``local`` tokens of a sequence: ``arange(local)``
     without sequence parallelism."""
@@ -48,4 +61,4 @@ def positions(local: int, device: torch.device | str = "cpu", ctx: ParallelConte
     return token_positions(local, ctx.group("sequence"), ctx.dims.sequence_mode, device)
 
 
-__all__ = ["attention", "positions"]
+__all__ = ["Attention", "attention", "positions"]

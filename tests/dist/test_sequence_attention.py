@@ -186,3 +186,22 @@ def test_ring_attention_saved_activations_fall_as_one_over_n(pools):
     assert whole == 4 * B * H * 32 * D * 4 + B * H * 32 * 4
     for world in (2, 4):
         assert pools.run(world, body_saved) == [whole // world] * world
+
+
+def body_module():
+    """tessera.nn.Attention on this rank's tokens equals whole-sequence attention's rows."""
+    from tessera import nn as tnn
+
+    ctx = use_layout(sequence=2, config={"parallel": {"sequence": {"size": 2, "mode": "all_to_all"}}})
+    q, k, v, _, _ = _inputs(16, False, seed=9)
+    layout = layout_for("all_to_all", 16, 2)
+    mine = [layout.split(t, 2, ctx.local_rank("sequence")) for t in (q, k, v)]
+    out = tnn.Attention(causal=True)(*mine)
+    whole = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, layout.split(whole, 2, ctx.local_rank("sequence")), rtol=1e-5, atol=1e-6)
+    assert torch.equal(tnn.positions(8), layout.positions(ctx.local_rank("sequence")))
+    return True
+
+
+def test_the_attention_module_follows_the_configured_mode(pools):
+    assert pools.run(2, body_module) == [True, True]

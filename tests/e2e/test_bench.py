@@ -130,3 +130,12 @@ def test_bench_gemini_largest_model_search():
     # a budget nothing fits: the search stops at the first size and finds none
     params, seen = largest("tessera", Largest(budget=1, d_model=32, seq_len=16, layers=(1, 2), steps=1))
     assert params == 0 and list(seen) == [1]
+
+
+def test_bench_recompute_rows(tmp_path):
+    from tessera.bench import recompute
+
+    rows = recompute.run(blocks=2, steps=1, preset="tiny", batch=2, seq=32)
+    data = check(rows, tmp_path, {"saved_bytes", "step_time_s"})
+    saved = {row["name"].rsplit(" ", 1)[-1]: row["ratio"] for row in data if row["metric"] == "saved_bytes"}
+    assert saved["full"] < saved["selective"] < 1.0, saved

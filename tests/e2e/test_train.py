@@ -74,6 +74,22 @@ def test_train_runs_under_2d_tensor_parallelism(tmp_path):
     assert {k: tuple(v.shape) for k, v in weights.items()} == {k: tuple(v.shape) for k, v in reference.items()}
 
 
+def test_train_runs_under_sequence_parallelism(tmp_path):
+    run_dir = tmp_path / "runsp"
+    out = run([*tessera_cmd(), "train", "--nproc", "4", "--output-dir", str(run_dir),
+               "--set", "parallel.sequence.size=2", "--set", "parallel.sequence.mode=ring",
+               "--set", "activation_checkpoint.mode=selective",
+               "--set", "trainer.steps=3", "--set", "trainer.eval_every=3", "--set", "trainer.progress_bar=false",
+               "--set", "data.max_bytes=100000", "--set", "data.micro_batch_size=4"], timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["parallel"]["sequence"] == {"size": 2, "mode": "ring"}
+    assert config["activation_checkpoint"] == {"mode": "selective", "every": 1}
+    weights = load_weights(run_dir / "model.safetensors")
+    reference = gpt("tiny").state_dict()
+    assert {k: tuple(v.shape) for k, v in weights.items()} == {k: tuple(v.shape) for k, v in reference.items()}
+
+
 def test_train_runs_with_pipeline_stages(tmp_path):
     run_dir = tmp_path / "runpp"
     out = run([*tessera_cmd(), "train", "--nproc", "2", "--output-dir", str(run_dir),

@@ -1,0 +1,109 @@
+"""``tessera bench recompute``: what activation checkpointing saves and what it costs.
+
+The GPT "small" preset (6 blocks of width 256, 8 heads), one micro-batch of ``BATCH`` x ``SEQ``
+byte tokens, AdamW, one process: for ``full`` and ``selective`` checkpointing of every block,
+the bytes kept for the backward pass (saved-tensor hooks, plus the matmul outputs selective
+checkpointing keeps inside its checkpoints) and the training step time, each against no
+checkpointing measured in the same run (the three sides alternate in timed blocks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tessera.bench.report import Row, print_rows, write_rows
+
+BATCH, SEQ = 4, 256
+MODES = ("none", "full", "selective")
+
+
+def _model(mode: str, preset: str, seq: int) -> torch.nn.Module:
+    from tessera.models import gpt
+    from tessera.nn import checkpoint_blocks
+
+    torch.manual_seed(0)
+    model = gpt(preset, max_seq_len=seq)
+    checkpoint_blocks(model, mode=mode)
+    return model
+
+
+def saved_bytes(model: torch.nn.Module, x: torch.Tensor) -> int:
+    """Bytes one forward pass keeps for the backward: tensors saved for autograd (each storage
+    once, parameters left out) and the matmul outputs selective checkpoints keep."""
+    from tessera.nn.recompute import kept_matmul_bytes
+
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with kept_matmul_bytes() as matmuls, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x).sum()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(n for ptr, n in kept.items() if ptr not in params) + matmuls[0]
+
+
+def body(blocks: int, steps: int, preset: str = "small", batch: int = BATCH, seq: int = SEQ) -> dict[str, Any]:
+    from tessera.bench.timing import alternate
+    from tessera.models import NextTokenLoss
+    from tessera.testing import use_layout
+
+    ctx = use_layout()
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 256, (batch, seq + 1), generator=g)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    loss_fn = NextTokenLoss()
+    saved: dict[str, int] = {}
+    sides: dict[str, Callable[[], None]] = {}
+
+    def stepper(model: torch.nn.Module) -> Callable[[], None]:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step() -> None:
+            optimizer.zero_grad()
+            loss_fn(model(x), y).backward()
+            optimizer.step()
+
+        return step
+
+    for mode in MODES:
+        model = _model(mode, preset, seq)
+        saved[mode] = saved_bytes(model, x)
+        sides[mode] = stepper(model)
+        sides[mode]()  # warm-up
+    times = alternate(sides, blocks, steps, ctx.group("world"))
+    return {"saved": saved, "times": {m: statistics.median(t) for m, t in times.items()}}
+
+
+def run(blocks: int = 6, steps: int = 2, preset: str = "small", batch: int = BATCH, seq: int = SEQ) -> list[Row]:
+    from tessera.testing import RankPool
+
+    pool = RankPool(1)
+    try:
+        out = pool.run(body, blocks, steps, preset, batch, seq, timeout=1800)[0]
+    finally:
+        pool.close()
+    rows = []
+    name = f"recompute gpt-{preset} b{batch}x{seq}"
+    for mode in ("full", "selective"):
+        rows.append(Row(f"{name} {mode}", "saved_bytes", out["saved"][mode], "no checkpointing", out["saved"]["none"]))
+        rows.append(Row(f"{name} {mode}", "step_time_s", out["times"][mode], "no checkpointing", out["times"]["none"]))
+    return rows
+
+
+def main(args: argparse.Namespace) -> int:
+    rows = run()
+    print_rows(rows)
+    if args.out:
+        write_rows(rows, args.out)
+    return 0
+
+
+__all__ = ["main", "run", "saved_bytes"]
