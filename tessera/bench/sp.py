@@ -5,12 +5,12 @@ ranks; and the speed of ring attention against torch's ``context_parallel``.
 Rows:
 
 - ``longest``: a GPT of width 128 with 2 blocks and 4 heads (byte vocabulary, positions up to
-  ``MAX_LENGTH``) trains one step on one sequence of a given length; a length fits when every
-  rank's peak RSS during the step stays within ``BUDGET`` above the rank's resident size before
+  32768) trains one step on one sequence of a given length; a length fits when every
+  rank's peak RSS during the step stays within the budget above the rank's resident size before
   it (the model, its optimizer, buffers a first short step made, and the process are outside
   the budget). For each mode on 1, 2 and 4 ranks of the sequence axis, and for 1D tensor
   parallelism with sequence-parallel regions on 2 and 4 ranks, the longest length that fits
-  (found by doubling, then bisecting, in multiples of ``GRAIN``). Ratios: each mode's longest on N
+  (found by doubling, then bisecting, in multiples of 256; :class:`Search`). Ratios: each mode's longest on N
   ranks against its longest on one rank (the target for ``ring``: at least 0.9 N), and against
   tensor parallelism's on N ranks.
 - ``forward``: the forward time of one attention layer (qkv projection, non-causal attention,
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,10 +32,23 @@ import torch
 from tessera.bench.report import Row, print_rows, write_rows
 
 _MIB = 2**20
-BUDGET = 96 * _MIB
-GRAIN = 256  # lengths are multiples of it (every layout's pieces divide it)
-MAX_LENGTH = 32768  # the position embedding's size in every run, so that it is the same model
-BISECTIONS = 3
+
+
+@dataclass(frozen=True)
+class Search:
+    """The longest-sequence search: ``budget`` bytes per rank; lengths are multiples of
+    ``grain`` (every layout's pieces divide it) up to ``max_length`` (the position embedding's
+    size in every run, so that every run trains the same model); ``bisections`` halvings after
+    the doubling; the GPT's width."""
+
+    budget: int = 96 * _MIB
+    grain: int = 256
+    max_length: int = 32768
+    bisections: int = 3
+    d_model: int = 128
+
+
+SEARCH = Search()
 SPEED_LENGTH = 4096
 MODES = ("ring_qk", "ring", "all_to_all")
 
@@ -47,7 +61,7 @@ def _config(system: str, mode: str, ranks: int) -> dict[str, Any]:
     return {"parallel": {"tensor": {"size": ranks, "sequence_parallel": True}}}
 
 
-def _step_growth(system: str, mode: str, ranks: int, length: int) -> int | None:
+def _step_growth(system: str, mode: str, ranks: int, length: int, search: Search) -> int | None:
     """This rank's peak RSS above its resident size while the GPT trains one step on one
     sequence of ``length`` tokens, after a warm-up step on a short one (so that buffers that do
     not depend on the length, such as DDP's, already exist); None where /proc cannot tell."""
@@ -59,7 +73,7 @@ def _step_growth(system: str, mode: str, ranks: int, length: int) -> int | None:
     sequence = ranks if system == "sp" else 1
     use_layout(sequence=sequence, tensor=ranks // sequence, config=_config(system, mode, ranks))
     torch.manual_seed(0)
-    model = gpt("tiny", vocab_size=256, max_seq_len=MAX_LENGTH, d_model=128, n_layers=2, n_heads=4)
+    model = gpt("tiny", vocab_size=256, max_seq_len=search.max_length, d_model=search.d_model, n_layers=2, n_heads=4)
     engine, *_ = tessera.initialize(model, torch.optim.SGD(model.parameters(), lr=0.01), NextTokenLoss())
     g = torch.Generator().manual_seed(1)
 
@@ -67,7 +81,7 @@ def _step_growth(system: str, mode: str, ranks: int, length: int) -> int | None:
         tokens = torch.randint(0, 256, (1, n + 1), generator=g)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
-    engine.train_batch(iter([batch(GRAIN)]))
+    engine.train_batch(iter([batch(search.grain)]))
     gc.collect()
     trim_heap()
     if not reset_peak_rss():
@@ -81,10 +95,10 @@ def _step_growth(system: str, mode: str, ranks: int, length: int) -> int | None:
     return None if base is None or peak is None else peak - base
 
 
-def longest_body(system: str, mode: str, ranks: int) -> dict[int, int | None]:
-    """Growth per length tried on this rank: lengths double from ``GRAIN`` until one exceeds
-    the budget (or ``MAX_LENGTH`` fits), then ``BISECTIONS`` halvings of the interval between
-    the last that fit and the first that did not, in multiples of ``GRAIN``. Each length is
+def longest_body(system: str, mode: str, ranks: int, search: Search = SEARCH) -> dict[int, int | None]:
+    """Growth per length tried on this rank: lengths double from ``search.grain`` until one
+    exceeds the budget (or ``search.max_length`` fits), then ``search.bisections`` halvings of
+    the interval between the last that fit and the first that did not. Each length is
     decided on the largest growth over the ranks, so that every rank tries the same ones."""
     from tessera import comm
     from tessera.memory.report import map_large_allocations
@@ -93,31 +107,32 @@ def longest_body(system: str, mode: str, ranks: int) -> dict[int, int | None]:
     seen: dict[int, int | None] = {}
 
     def fits(length: int) -> bool:
-        grown = _step_growth(system, mode, ranks, length)
-        worst = torch.tensor([float(grown if grown is not None else 2 * BUDGET)])
+        grown = _step_growth(system, mode, ranks, length, search)
+        worst = torch.tensor([float(grown if grown is not None else 2 * search.budget)])
         if ranks > 1:
             comm.all_reduce(worst, "world", op="max")
         seen[length] = int(worst.item()) if grown is not None else None
-        return bool(worst.item() <= BUDGET)
+        return bool(worst.item() <= search.budget)
 
-    low, high = 0, GRAIN
-    while high <= MAX_LENGTH and fits(high):
+    grain = search.grain
+    low, high = 0, grain
+    while high <= search.max_length and fits(high):
         low, high = high, 2 * high
-    high = min(high, MAX_LENGTH + GRAIN)
-    for _ in range(BISECTIONS):
-        middle = (low + high) // 2 // GRAIN * GRAIN
-        if middle in (low, high) or middle > MAX_LENGTH:
+    high = min(high, search.max_length + grain)
+    for _ in range(search.bisections):
+        middle = (low + high) // 2 // grain * grain
+        if middle in (low, high) or middle > search.max_length:
             break
         low, high = (middle, high) if fits(middle) else (low, middle)
     return seen
 
 
-def _longest(seen: dict[int, int | None]) -> int:
-    fits = [length for length, grown in seen.items() if grown is not None and grown <= BUDGET]
+def _longest(seen: dict[int, int | None], budget: int) -> int:
+    fits = [length for length, grown in seen.items() if grown is not None and grown <= budget]
     return max(fits) if fits else 0
 
 
-def longest_rows() -> tuple[list[Row], dict[str, dict[int, int | None]]]:
+def longest_rows(search: Search = SEARCH) -> tuple[list[Row], dict[str, dict[int, int | None]]]:
     from tessera.testing import RankPool
 
     found: dict[str, dict[int, int | None]] = {}
@@ -128,17 +143,17 @@ def longest_rows() -> tuple[list[Row], dict[str, dict[int, int | None]]]:
             sides += [("tp", "1d-sp")] if ranks > 1 else []
             for system, mode in sides:
                 label = f"{system} {mode} x{ranks}" if ranks > 1 else "one rank"
-                found[label] = pools[ranks].run(longest_body, system, mode, ranks, timeout=3600)[0]
-                print(f"  {label}: longest {_longest(found[label])}", flush=True)
+                found[label] = pools[ranks].run(longest_body, system, mode, ranks, search, timeout=3600)[0]
+                print(f"  {label}: longest {_longest(found[label], search.budget)}", flush=True)
     finally:
         for pool in pools.values():
             pool.close()
-    one = _longest(found["one rank"])
+    one = _longest(found["one rank"], search.budget)
     rows = []
     for ranks in (2, 4):
-        tp = _longest(found[f"tp 1d-sp x{ranks}"])
+        tp = _longest(found[f"tp 1d-sp x{ranks}"], search.budget)
         for mode in MODES:
-            mine = _longest(found[f"sp {mode} x{ranks}"])
+            mine = _longest(found[f"sp {mode} x{ranks}"], search.budget)
             rows.append(Row(f"longest sp {mode} x{ranks} vs one rank", "tokens", mine, "one rank", one))
             rows.append(Row(f"longest sp {mode} x{ranks} vs tp1d-sp", "tokens", mine, f"tp 1d-sp x{ranks}", tp))
     return rows, found
@@ -147,7 +162,7 @@ def longest_rows() -> tuple[list[Row], dict[str, dict[int, int | None]]]:
 # ---- speed against torch's context_parallel --------------------------------------------------
 
 
-def speed_body(blocks: int, steps: int) -> dict[str, Any]:
+def speed_body(blocks: int, steps: int, length: int = SPEED_LENGTH) -> dict[str, Any]:
     """Forward time of one attention layer over ``SPEED_LENGTH`` tokens on 2 ranks, tessera's
     ring attention against torch's context_parallel (non-causal)."""
     import torch.nn.functional as F
@@ -162,8 +177,8 @@ def speed_body(blocks: int, steps: int) -> dict[str, Any]:
     torch.manual_seed(0)
     d, heads = 256, 4
     qkv, proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-    x = torch.randn(1, SPEED_LENGTH, d)
-    layout = layout_for("ring", SPEED_LENGTH, 2)
+    x = torch.randn(1, length, d)
+    layout = layout_for("ring", length, 2)
     mine = layout.split(x, 1, group.rank)
 
     def heads_of(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -201,18 +216,18 @@ def speed_body(blocks: int, steps: int) -> dict[str, Any]:
     return {"times": times, "note": note}
 
 
-def speed_rows(blocks: int = 6, steps: int = 2) -> tuple[list[Row], str]:
+def speed_rows(blocks: int = 6, steps: int = 2, length: int = SPEED_LENGTH) -> tuple[list[Row], str]:
     from tessera.testing import RankPool
 
     pool = RankPool(2)
     try:
-        out = pool.run(speed_body, blocks, steps, timeout=1800)[0]
+        out = pool.run(speed_body, blocks, steps, length, timeout=1800)[0]
     finally:
         pool.close()
     times = {name: statistics.median(values) for name, values in out["times"].items()}
     rows = []
     if "torch context_parallel" in times:
-        name = f"attention forward {SPEED_LENGTH} tokens x2 non-causal"
+        name = f"attention forward {length} tokens x2 non-causal"
         rows.append(Row(name, "step_time_s", times["tessera ring"], "torch context_parallel",
                         times["torch context_parallel"]))  # fmt: skip
     return rows, out["note"]
@@ -223,7 +238,7 @@ def main(args: argparse.Namespace) -> int:
     speed, note = speed_rows()
     rows += speed
     print_rows(rows)
-    print(f"growth during one training step (MiB; budget {BUDGET / _MIB:.0f} MiB per rank):")
+    print(f"growth during one training step (MiB; budget {SEARCH.budget / _MIB:.0f} MiB per rank):")
     for label, seen in found.items():
         grown = ", ".join(f"{n}: {'-' if g is None else f'{g / _MIB:.0f}'}" for n, g in seen.items())
         print(f"  {label:<20} {grown}")
@@ -234,4 +249,4 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["BUDGET", "GRAIN", "MAX_LENGTH", "longest_rows", "main", "speed_rows"]
+__all__ = ["SEARCH", "Search", "longest_rows", "main", "speed_rows"]

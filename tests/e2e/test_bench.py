@@ -139,3 +139,15 @@ def test_bench_recompute_rows(tmp_path):
     data = check(rows, tmp_path, {"saved_bytes", "step_time_s"})
     saved = {row["name"].rsplit(" ", 1)[-1]: row["ratio"] for row in data if row["metric"] == "saved_bytes"}
     assert saved["full"] < saved["selective"] < 1.0, saved
+
+
+def test_bench_sp_rows(tmp_path):
+    from tessera.bench import sp
+
+    search = sp.Search(budget=256 * 2**20, grain=64, max_length=128, bisections=0, d_model=32)
+    rows, found = sp.longest_rows(search)
+    data = check(rows, tmp_path, {"tokens"})
+    assert len(data) == 2 * 2 * 3  # two rank counts x three modes x (vs one rank, vs tensor parallelism)
+    assert all(set(seen) == {64, 128} for seen in found.values()), found  # both lengths fit a generous budget
+    rows, note = sp.speed_rows(blocks=2, steps=1, length=256)
+    assert rows or note  # the comparison with torch's context_parallel, or why it could not run
