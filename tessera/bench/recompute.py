@@ -33,21 +33,10 @@ def _model(mode: str, preset: str, seq: int) -> torch.nn.Module:
 
 
 def saved_bytes(model: torch.nn.Module, x: torch.Tensor) -> int:
-    """Bytes one forward pass keeps for the backward: tensors saved for autograd (each storage
-    once, parameters left out) and the matmul outputs selective checkpoints keep."""
-    from tessera.nn.recompute import kept_matmul_bytes
+    """Bytes one forward pass of ``model`` on ``x`` keeps for the backward (parameters left out)."""
+    from tessera.nn.recompute import kept_for_backward
 
-    kept: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        kept[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with kept_matmul_bytes() as matmuls, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x).sum()
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    return sum(n for ptr, n in kept.items() if ptr not in params) + matmuls[0]
+    return kept_for_backward(lambda: model(x).sum(), model.parameters())
 
 
 def body(blocks: int, steps: int, preset: str = "small", batch: int = BATCH, seq: int = SEQ) -> dict[str, Any]:

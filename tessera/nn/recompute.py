@@ -21,7 +21,7 @@ marked with :func:`mark_block` (tessera's transformer blocks are).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -108,6 +108,23 @@ class _ReuseMatmuls(TorchDispatchMode):
         return out
 
 
+def kept_for_backward(forward: Callable[[], Any], params: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes the forward pass ``forward()`` keeps for the backward pass: the tensors saved for
+    autograd (each storage once, ``params`` left out), plus the matmul outputs selective
+    checkpoints keep inside their checkpoints (where saved-tensor hooks do not see them)."""
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with kept_matmul_bytes() as matmuls, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    return sum(n for ptr, n in kept.items() if ptr not in skip) + matmuls[0]
+
+
 def _selective_contexts() -> tuple[_KeepMatmuls, _ReuseMatmuls]:
     kept: list[tuple[torch.Tensor, int]] = []
     return _KeepMatmuls(kept), _ReuseMatmuls(kept)
@@ -185,4 +202,4 @@ def checkpoint_blocks(
     return done
 
 
-__all__ = ["MODES", "checkpoint_blocks", "is_block", "kept_matmul_bytes", "mark_block"]
+__all__ = ["MODES", "checkpoint_blocks", "is_block", "kept_for_backward", "kept_matmul_bytes", "mark_block"]

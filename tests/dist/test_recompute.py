@@ -13,7 +13,7 @@ import tessera
 from tessera.checkpoint import full_state_dict
 from tessera.models import NextTokenLoss, gpt
 from tessera.nn import checkpoint_blocks
-from tessera.nn.recompute import kept_matmul_bytes
+from tessera.nn.recompute import kept_for_backward
 from tessera.testing import use_layout
 from tests.dist.test_tp_models import GLOBAL_BATCH, SEQ, dataset
 
@@ -81,19 +81,9 @@ def test_checkpointing_is_bitwise_training_without_it(pools, name):
 
 
 def _saved(model: torch.nn.Module, x: torch.Tensor) -> dict[str, int]:
-    """Bytes autograd keeps for the backward (saved-tensor hooks), with the matmul outputs
-    selective checkpointing keeps inside its checkpoints."""
-    kept: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        kept[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with kept_matmul_bytes() as matmuls, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x).sum()
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    return {"activations": sum(n for ptr, n in kept.items() if ptr not in params) + matmuls[0]}
+    """Bytes the forward keeps for the backward (saved-tensor hooks, with the matmul outputs
+    selective checkpointing keeps inside its checkpoints)."""
+    return {"activations": kept_for_backward(lambda: model(x).sum(), model.parameters())}
 
 
 def test_saved_activations_fall_to_the_block_inputs_or_the_matmul_outputs():
