@@ -400,6 +400,11 @@ class Config:
                     f"gemini with parallel.tensor.mode={self.parallel.tensor.mode!r}: Gemini works with 1d tensor "
                     "parallelism; use mode='1d' or tensor.size=1"
                 )
+            if self.parallel.sequence.size > 1:
+                raise ConfigError(
+                    f"gemini with parallel.sequence.size={self.parallel.sequence.size}: Gemini with sequence "
+                    "parallelism is not supported yet; use ZeRO (zero.stage) with it, or sequence.size=1"
+                )
         if self.zero.stage >= 2 and self.parallel.pipeline.size > 1:
             raise ConfigError(
                 f"zero.stage={self.zero.stage} with parallel.pipeline.size={self.parallel.pipeline.size}: stages 2 "

@@ -220,6 +220,8 @@ def test_sequence_parallelism_layouts_are_checked():
     with pytest.raises(ConfigError, match="parallel.sequence.mode='ring_attention' is not one of"):
         ParallelDims(world_size=2, sequence=2, sequence_mode="ring_attention")
     assert ParallelDims(world_size=8, sequence=2, tensor=2, sequence_mode="ring_qk").data == 2
+    with pytest.raises(ConfigError, match="Gemini with sequence parallelism is not supported yet"):
+        load_config({"parallel": {"sequence": 2}, "gemini": {"enabled": True}})
 
 
 def test_docs_reference_matches_the_code():
