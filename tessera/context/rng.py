@@ -50,6 +50,7 @@ class RNGStreams:
         self.rank = rank
         self.device = device
         self._states: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._enclosing: tuple[str, ...] = ()
 
     def seed_for(self, *distinct_along: str) -> int:
         """Seed that differs between ranks whose index differs along any of ``distinct_along``."""
@@ -68,11 +69,27 @@ class RNGStreams:
         begins again from its seed)."""
         self._states = dict(snapshot)
 
+    @property
+    def enclosing(self) -> tuple[str, ...]:
+        """The axes of the forks the caller is inside (a fork inside them differs along them too)."""
+        return self._enclosing
+
+    @contextmanager
+    def inside(self, axes: tuple[str, ...]) -> Iterator[None]:
+        """Forks in the block differ along ``axes`` as if inside a fork of them (a recompute
+        re-entering the forks its forward ran in)."""
+        outer, self._enclosing = self._enclosing, axes
+        try:
+            yield
+        finally:
+            self._enclosing = outer
+
     @contextmanager
     def fork(self, *distinct_along: str) -> Iterator[None]:
         """Draw from the stream of ``distinct_along`` inside the block; the default stream is
-        restored after it, and the stream continues where it stopped at its next use."""
-        key = tuple(sorted(distinct_along))
+        restored after it, and the stream continues where it stopped at its next use. A fork
+        inside another differs along both's axes."""
+        key = tuple(sorted(set(distinct_along) | set(self._enclosing)))
         saved = (torch.get_rng_state(), _device_state(self.device))
         if key in self._states:
             cpu, dev = self._states[key]
@@ -83,9 +100,11 @@ class RNGStreams:
             torch.random.default_generator.manual_seed(seed)
             if self.device.type == "cuda":
                 torch.cuda.default_generators[self.device.index or 0].manual_seed(seed)
+        outer, self._enclosing = self._enclosing, key
         try:
             yield
         finally:
+            self._enclosing = outer
             self._states[key] = (torch.get_rng_state(), _device_state(self.device))
             torch.set_rng_state(saved[0])
             _set_device_state(self.device, saved[1])

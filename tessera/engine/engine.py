@@ -9,8 +9,10 @@ the loss this rank's tokens of every sequence.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -167,8 +169,13 @@ class Engine:
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         final = self.is_final_micro_step or not torch.is_grad_enabled()
-        with autocast(self.precision, self.ctx.device):
+        with autocast(self.precision, self.ctx.device), self._own_tokens_rng():
             return self.strategy.forward(*args, final=final, **kwargs)
+
+    def _own_tokens_rng(self) -> AbstractContextManager[None]:
+        """Under sequence parallelism, random draws in the forward (dropout) from a stream that
+        differs along the sequence axis: each rank's tokens get masks of their own."""
+        return self.ctx.rng.fork("sequence") if self._sequence is not None else contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` (divided by the accumulation steps, scaled for fp16)."""
@@ -256,7 +263,7 @@ class Engine:
         batches = [
             self.local_tokens(_split_batch(_to_device(next(data_iter), self.ctx.device))) for _ in range(microbatches)
         ]
-        with autocast(self.precision, self.ctx.device):
+        with autocast(self.precision, self.ctx.device), self._own_tokens_rng():
             loss = self.strategy.run_schedule(batches, self._loss)
         if not math.isfinite(loss):
             raise FloatingPointError(f"non-finite loss {loss} at step {self.global_step} in {self.precision}")

@@ -139,17 +139,19 @@ class _SameStreams:
         self.forward = forward
         self.streams = streams
         self.start: Any = None
+        self.enclosing: tuple[str, ...] = ()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.streams is None:
             return self.forward(*args, **kwargs)
         if self.start is None:
-            self.start = self.streams.snapshot()
+            self.start, self.enclosing = self.streams.snapshot(), self.streams.enclosing
             return self.forward(*args, **kwargs)
         after = self.streams.snapshot()
         self.streams.restore(self.start)
         try:
-            return self.forward(*args, **kwargs)
+            with self.streams.inside(self.enclosing):  # the forks the forward ran in
+                return self.forward(*args, **kwargs)
         finally:
             self.streams.restore(after)
 

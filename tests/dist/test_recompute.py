@@ -32,6 +32,11 @@ LAYOUTS = {
     ),
     "zero3-dp2": (2, dict(data=2), {"zero": {"stage": 3}}),
     "sp2-ring": (2, dict(sequence=2), {"parallel": {"sequence": {"size": 2, "mode": "ring"}}}),
+    # dropout in forks nested in the sequence stream (tensor-parallel regions), replayed in the recompute
+    "sp2-tp2-1d-sp": (
+        4, dict(sequence=2, tensor=2),
+        {"parallel": {"sequence": {"size": 2, "mode": "all_to_all"}, "tensor": {"size": 2, "sequence_parallel": True}}},
+    ),
 }
 
 

@@ -67,3 +67,32 @@ def test_gpt_trains_to_the_single_process_answer(pools, reference, name, mode):
     results = pools.run(ranks, train_sequence, mode, layout, extra, timeout=600)
     assert_same_run(results[0], reference)
     assert all(r[0] == results[0][0] for r in results), "every rank reports the same loss"
+
+
+class _Masks(torch.nn.Module):
+    """What dropout does to ones, for this rank's tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tessera import nn as tnn
+
+        self.scale = torch.nn.Parameter(torch.ones(()))
+        self.drop = tnn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(torch.ones(x.shape[0], x.shape[1], 32)) * self.scale
+
+
+def body_masks():
+    ctx = use_layout(sequence=2, config={"parallel": {"sequence": {"size": 2, "mode": "ring"}}})
+    model = _Masks()
+    engine, *_ = tessera.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    engine.train()
+    masks = engine(torch.zeros(2, 16, dtype=torch.long)).detach()
+    both = comm.all_gather(masks.unsqueeze(0), ctx.group("sequence"), dim=0)
+    return not torch.equal(both[0], both[1]), masks.shape[1]
+
+
+def test_dropout_draws_masks_of_their_own_on_each_sequence_rank(pools):
+    # each rank holds other tokens of the same sequences: equal masks would tie them together
+    assert pools.run(2, body_masks) == [(True, 8), (True, 8)]
