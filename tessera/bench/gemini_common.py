@@ -18,8 +18,7 @@ def deepspeed_offload(
     """``model`` under DeepSpeed ZeRO-3 with parameters and optimizer states offloaded to
     ``offload`` ("cpu", or "nvme" in ``folder``), stepped by ``DeepSpeedCPUAdam``: a training
     step and the loss of a batch."""
-    from tessera.bench.zero_anchors import _deepspeed
-    from tessera.models import NextTokenLoss
+    from tessera.bench.zero_anchors import _deepspeed, deepspeed_step_and_loss
 
     deepspeed = _deepspeed(load_cpu_adam=True)
     from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -40,17 +39,7 @@ def deepspeed_offload(
         config["aio"] = {"block_size": 2**20, "queue_depth": 8, "single_submit": False, "overlap_events": True}
     optimizer = DeepSpeedCPUAdam(model.parameters(), lr=lr, weight_decay=0.01, adamw_mode=True)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    criterion = NextTokenLoss()
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        engine.backward(criterion(engine(x), y))
-        engine.step()
-
-    def loss(x: torch.Tensor, y: torch.Tensor) -> float:
-        with torch.no_grad():
-            return float(criterion(engine(x), y).float())
-
-    return step, loss
+    return deepspeed_step_and_loss(engine)
 
 
 def peak_growth(

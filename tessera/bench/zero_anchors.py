@@ -82,8 +82,6 @@ def build_fsdp2(side: Side, w: Workload) -> tuple[StepFn, LossFn, str]:
 
 
 def build_deepspeed(side: Side, w: Workload, world: int) -> tuple[StepFn, LossFn, str]:
-    from tessera.models import NextTokenLoss
-
     deepspeed = _deepspeed(load_cpu_adam=side.offload)
     model = model_of(w)
     zero: dict[str, Any] = {"stage": side.stage}
@@ -113,6 +111,14 @@ def build_deepspeed(side: Side, w: Workload, world: int) -> tuple[StepFn, LossFn
             config["zero_force_ds_cpu_optimizer"] = False
             label += " (torch AdamW)"
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    step, loss = deepspeed_step_and_loss(engine)
+    return step, loss, label
+
+
+def deepspeed_step_and_loss(engine: Any) -> tuple[StepFn, LossFn]:
+    """A training step and the loss of a batch, through a DeepSpeed engine of the GPT."""
+    from tessera.models import NextTokenLoss
+
     criterion = NextTokenLoss()
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
@@ -123,4 +129,4 @@ def build_deepspeed(side: Side, w: Workload, world: int) -> tuple[StepFn, LossFn
         with torch.no_grad():
             return float(criterion(engine(x), y).float())
 
-    return step, loss, label
+    return step, loss

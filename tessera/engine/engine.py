@@ -128,7 +128,7 @@ class Engine:
     def criterion(self) -> Callable[..., torch.Tensor]:
         """The loss function given to initialize (calling it without one raises a clear error).
         Under sequence parallelism it takes whole-sequence targets and uses this rank's tokens."""
-        loss = self._criterion if self._criterion is not None else _MissingCriterion()
+        loss = self._loss
         if self._sequence is None:
             return loss
 
@@ -139,6 +139,7 @@ class Engine:
 
     @property
     def _loss(self) -> Callable[..., torch.Tensor]:
+        """The criterion as given (on this rank's tokens already under sequence parallelism)."""
         return self._criterion if self._criterion is not None else _MissingCriterion()
 
     def train(self) -> None:

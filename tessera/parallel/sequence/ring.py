@@ -16,6 +16,7 @@ keys and values N - 1 hops.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,44 +27,58 @@ from tessera.parallel.sequence.circulate import Blocks, circulate, circulate_red
 from tessera.parallel.sequence.layout import SequenceLayout
 
 
-class _Pieces:
-    """Local offsets and global positions of the pieces of every member's tokens."""
+@dataclass(frozen=True)
+class _Pair:
+    """A query piece of this member against a key piece of ``origin``'s block: local slices,
+    the pieces' global starts and sizes, and whether it needs a mask (padded keys, a key-padding
+    mask, or a causal cut through it) or is a causal diagonal (a piece against itself)."""
 
-    def __init__(self, layout: SequenceLayout, device: torch.device) -> None:
-        self.layout = layout
-        self.of: list[list[tuple[int, int, torch.Tensor]]] = []  # member -> [(offset, tokens, positions)]
-        for member in range(layout.size):
-            offset, pieces = 0, []
-            for start, n in layout.pieces(member):
-                pieces.append((offset, n, torch.arange(start, start + n, device=device)))
-                offset += n
-            self.of.append(pieces)
+    queries: slice
+    keys: slice
+    q_start: int
+    k_start: int
+    masked: bool
+    diagonal: bool
+
+    def keep(
+        self, length: int, causal: bool, key_keep: torch.Tensor | None, device: torch.device
+    ) -> torch.Tensor | None:
+        """The pair's mask (None when it needs none), built from global positions."""
+        if not self.masked:
+            return None
+        q_pos = torch.arange(self.q_start, self.q_start + self.queries.stop - self.queries.start, device=device)
+        k_pos = torch.arange(self.k_start, self.k_start + self.keys.stop - self.keys.start, device=device)
+        pad = None if key_keep is None else key_keep[:, self.keys]
+        return keep_mask(q_pos, k_pos, length, causal, pad)
 
 
-def _pairs(
-    pieces: _Pieces, rank: int, origin: int, causal: bool, key_keep: torch.Tensor | None
-) -> list[tuple[slice, slice, torch.Tensor | None, bool]]:
-    """(query slice, key slice, keep mask, diagonal) of each piece pair with something to
-    attend: a pair of whole pieces needs no mask (every key is attended to, or, for a piece
-    with itself under a causal mask, the diagonal rule); the others get one."""
-    out = []
-    length = pieces.layout.length
-    for q_off, q_n, q_pos in pieces.of[rank]:
-        for k_off, k_n, k_pos in pieces.of[origin]:
-            if causal and int(k_pos[0]) > int(q_pos[-1]):
-                continue  # every key of the piece comes after every query
-            if int(k_pos[0]) >= length:
-                continue  # all padding
-            whole = key_keep is None and int(k_pos[-1]) < length
-            diagonal = causal and whole and q_n == k_n and int(q_pos[0]) == int(k_pos[0])
-            if whole and (diagonal or not causal or int(k_pos[-1]) < int(q_pos[0])):
-                keep = None
-            else:
-                pad = None if key_keep is None else key_keep[:, k_off : k_off + k_n]
-                keep = keep_mask(q_pos, k_pos, length, causal, pad)
-                diagonal = False
-            out.append((slice(q_off, q_off + q_n), slice(k_off, k_off + k_n), keep, diagonal))
-    return out
+def _plan(layout: SequenceLayout, rank: int, causal: bool, key_mask: bool) -> list[list[_Pair]]:
+    """Per origin member, the piece pairs this member attends with something to attend (from
+    the layout alone: the same in the forward and the backward pass)."""
+
+    def local(member: int) -> list[tuple[int, int, int]]:  # (local offset, global start, tokens)
+        out, offset = [], 0
+        for start, n in layout.pieces(member):
+            out.append((offset, start, n))
+            offset += n
+        return out
+
+    plan = []
+    for origin in range(layout.size):
+        pairs = []
+        for q_off, q_start, q_n in local(rank):
+            for k_off, k_start, k_n in local(origin):
+                if causal and k_start > q_start + q_n - 1:
+                    continue  # every key of the piece comes after every query
+                if k_start >= layout.length:
+                    continue  # all padding
+                whole = not key_mask and k_start + k_n <= layout.length
+                diagonal = causal and whole and q_n == k_n and q_start == k_start
+                masked = not (whole and (diagonal or not causal or k_start + k_n <= q_start))
+                pairs.append(_Pair(slice(q_off, q_off + q_n), slice(k_off, k_off + k_n), q_start, k_start,
+                                   masked, diagonal and not masked))  # fmt: skip
+        plan.append(pairs)
+    return plan
 
 
 class _RingAttention(torch.autograd.Function):
@@ -80,7 +95,7 @@ class _RingAttention(torch.autograd.Function):
         scale: float,
     ) -> torch.Tensor:
         g = resolve(group)
-        pieces = _Pieces(layout, q.device)
+        plan = _plan(layout, g.rank, causal, key_keep is not None)
         b, h, local, d = q.shape
         out = torch.zeros(b, h, local, d, dtype=torch.float32, device=q.device)
         lse = torch.full((b, h, local), float("-inf"), dtype=torch.float32, device=q.device)
@@ -88,20 +103,21 @@ class _RingAttention(torch.autograd.Function):
         def visit(origin: int, blocks: Blocks) -> None:
             k_blk, v_blk = blocks[0][0], blocks[0][1]
             keep_blk = blocks[1] != 0 if len(blocks) > 1 else None
-            for qs, ks, keep, diagonal in _pairs(pieces, g.rank, origin, causal, keep_blk):
-                part, part_lse = attend_block(q[:, :, qs], k_blk[:, :, ks], v_blk[:, :, ks], scale, keep, diagonal)
+            for pair in plan[origin]:
+                qs, ks, keep = pair.queries, pair.keys, pair.keep(layout.length, causal, keep_blk, q.device)
+                part, part_lse = attend_block(q[:, :, qs], k_blk[:, :, ks], v_blk[:, :, ks], scale, keep, pair.diagonal)
                 out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], part.float(), part_lse.float())
 
         circulate(_blocks(k, v, key_keep), g, visit)
         result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, key_keep, result, lse)
-        ctx.setup = (g, pieces, causal, scale)
+        ctx.setup = (g, plan, layout.length, causal, scale)
         return result
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, key_keep, out, lse = ctx.saved_tensors
-        g, pieces, causal, scale = ctx.setup
+        g, plan, length, causal, scale = ctx.setup
         grad_out = grad_out.contiguous()
         delta = (grad_out.float() * out.float()).sum(-1)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -110,10 +126,11 @@ class _RingAttention(torch.autograd.Function):
             k_blk, v_blk = blocks[0][0], blocks[0][1]
             keep_blk = blocks[1] != 0 if len(blocks) > 1 else None
             dkv = torch.zeros((2, *k_blk.shape), dtype=torch.float32, device=q.device)
-            for qs, ks, keep, diagonal in _pairs(pieces, g.rank, origin, causal, keep_blk):
+            for pair in plan[origin]:
+                qs, ks, keep = pair.queries, pair.keys, pair.keep(length, causal, keep_blk, q.device)
                 dq_p, dk_p, dv_p = block_grads(
                     q[:, :, qs], k_blk[:, :, ks], v_blk[:, :, ks], scale, keep,
-                    lse[:, :, qs], grad_out[:, :, qs], out[:, :, qs], delta[:, :, qs], diagonal,
+                    lse[:, :, qs], grad_out[:, :, qs], out[:, :, qs], delta[:, :, qs], pair.diagonal,
                 )  # fmt: skip
                 dq[:, :, qs] += dq_p.float()
                 dkv[0][:, :, ks] += dk_p.float()
