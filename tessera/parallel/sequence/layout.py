@@ -58,6 +58,14 @@ class SequenceLayout:
         order = [rank, 2 * self.size - 1 - rank] if self.zigzag else [rank]
         return [(i * self.piece, self.piece) for i in order]
 
+    def local_pieces(self, rank: int) -> list[tuple[int, int, int]]:
+        """``(local offset, global start, tokens)`` of each piece ``rank`` holds."""
+        out, offset = [], 0
+        for start, n in self.pieces(rank):
+            out.append((offset, start, n))
+            offset += n
+        return out
+
     def positions(self, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Global positions [local] of the tokens ``rank`` holds (padding past ``length``)."""
         return torch.cat([torch.arange(start, start + n, device=device) for start, n in self.pieces(rank)])

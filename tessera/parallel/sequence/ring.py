@@ -56,18 +56,11 @@ def _plan(layout: SequenceLayout, rank: int, causal: bool, key_mask: bool) -> li
     """Per origin member, the piece pairs this member attends with something to attend (from
     the layout alone: the same in the forward and the backward pass)."""
 
-    def local(member: int) -> list[tuple[int, int, int]]:  # (local offset, global start, tokens)
-        out, offset = [], 0
-        for start, n in layout.pieces(member):
-            out.append((offset, start, n))
-            offset += n
-        return out
-
     plan = []
     for origin in range(layout.size):
         pairs = []
-        for q_off, q_start, q_n in local(rank):
-            for k_off, k_start, k_n in local(origin):
+        for q_off, q_start, q_n in layout.local_pieces(rank):
+            for k_off, k_start, k_n in layout.local_pieces(origin):
                 if causal and k_start > q_start + q_n - 1:
                     continue  # every key of the piece comes after every query
                 if k_start >= layout.length:

@@ -20,15 +20,6 @@ from tessera.parallel.sequence.circulate import Blocks, circulate, circulate_red
 from tessera.parallel.sequence.layout import SequenceLayout
 
 
-def _columns(layout: SequenceLayout, member: int) -> list[tuple[int, int, int]]:
-    """(local offset, global start, tokens) of each piece of ``member``'s tokens."""
-    out, offset = [], 0
-    for start, n in layout.pieces(member):
-        out.append((offset, start, n))
-        offset += n
-    return out
-
-
 class _RingQK(torch.autograd.Function):
     """Scores [b, h, local, padded] (keys in global order) of this member's queries."""
 
@@ -41,7 +32,7 @@ class _RingQK(torch.autograd.Function):
         scores = q.new_empty(b, h, local, layout.padded)
 
         def visit(origin: int, blocks: Blocks) -> None:
-            for offset, start, n in _columns(layout, origin):
+            for offset, start, n in layout.local_pieces(origin):
                 scores[..., start : start + n] = torch.matmul(q, blocks[0][:, :, offset : offset + n].transpose(-1, -2))
 
         circulate((k.contiguous(),), g, visit)
@@ -60,7 +51,7 @@ class _RingQK(torch.autograd.Function):
         def contribute(origin: int, blocks: Blocks) -> torch.Tensor:
             k_blk = blocks[0]
             dk = torch.zeros(k_blk.shape, dtype=torch.float32, device=q.device)
-            for offset, start, n in _columns(layout, origin):
+            for offset, start, n in layout.local_pieces(origin):
                 cols = grad[..., start : start + n]
                 dq.add_(torch.matmul(cols, k_blk[:, :, offset : offset + n]).float())
                 dk[:, :, offset : offset + n] = torch.matmul(cols.transpose(-1, -2), q).float()
@@ -80,7 +71,7 @@ class _RingAV(torch.autograd.Function):
         out = torch.zeros(b, h, local, v.shape[-1], dtype=torch.float32, device=v.device)
 
         def visit(origin: int, blocks: Blocks) -> None:
-            for offset, start, n in _columns(layout, origin):
+            for offset, start, n in layout.local_pieces(origin):
                 out.add_(torch.matmul(probs[..., start : start + n], blocks[0][:, :, offset : offset + n]).float())
 
         circulate((v.contiguous(),), g, visit)
@@ -97,7 +88,7 @@ class _RingAV(torch.autograd.Function):
         def contribute(origin: int, blocks: Blocks) -> torch.Tensor:
             v_blk = blocks[0]
             dv = torch.zeros(v_blk.shape, dtype=torch.float32, device=v.device)
-            for offset, start, n in _columns(layout, origin):
+            for offset, start, n in layout.local_pieces(origin):
                 part = v_blk[:, :, offset : offset + n]
                 grad_probs[..., start : start + n] = torch.matmul(grad_out, part.transpose(-1, -2))
                 dv[:, :, offset : offset + n] = torch.matmul(
@@ -114,7 +105,7 @@ def _whole(key_keep: torch.Tensor, group: Group, layout: SequenceLayout) -> torc
     whole = torch.zeros(key_keep.shape[0], layout.padded, dtype=torch.bool, device=key_keep.device)
 
     def visit(origin: int, blocks: Blocks) -> None:
-        for offset, start, n in _columns(layout, origin):
+        for offset, start, n in layout.local_pieces(origin):
             whole[:, start : start + n] = blocks[0][:, offset : offset + n] != 0
 
     circulate((key_keep.to(torch.uint8).contiguous(),), group, visit)  # gloo sends no bool
