@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from tessera.checkpoint.format import CheckpointError
+from tessera.checkpoint.holding import dtypes, shapes
 
 
 class Staging:
@@ -27,7 +28,8 @@ class Staging:
             total = -(-total // 64) * 64
             offsets.append(total)
             total += shape.numel() * dtype.itemsize
-        self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
+        self.pinned = pin and torch.cuda.is_available()
+        self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=self.pinned)
         if touch:
             self.buffer.zero_()
         self.views = [
@@ -35,18 +37,20 @@ class Staging:
             for o, (dtype, shape) in zip(offsets, layout)
         ]
         self.layout = list(layout)
+        self.dtypes = [dtype for dtype, _ in self.layout]
+        self.shapes = [shape for _, shape in self.layout]
+
+    def holds(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether ``tensors`` have the dtypes and shapes this buffer was laid out for."""
+        return dtypes(tensors) == self.dtypes and shapes(tensors) == self.shapes
 
     def copy(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The values of ``tensors`` now, in host memory (valid until the next copy)."""
-        with torch.no_grad():
-            if all(t.device.type == "cpu" for t in tensors):
-                if tensors:
-                    torch._foreach_copy_(self.views, list(tensors))
-            else:
-                for view, t in zip(self.views, tensors):
-                    view.copy_(t, non_blocking=True)
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
+        if tensors:
+            with torch.no_grad():  # a tensor on another device takes torch's per-tensor path
+                torch._foreach_copy_(self.views, list(tensors), non_blocking=self.pinned)
+            if self.pinned:  # copies from the GPU into page-locked memory: wait for them
+                torch.cuda.synchronize()
         return self.views
 
 

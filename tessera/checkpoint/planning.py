@@ -114,6 +114,9 @@ class Share:
     keys: list[tuple[str, int]]
     staging: Any = None  # a tessera.checkpoint.background.Staging
 
+    def __post_init__(self) -> None:
+        self.indices = [n for _, n in self.keys]  # of the pieces this rank writes
+
 
 _kept: list[Share] = []  # the last share (one engine saved repeatedly is the common case)
 
@@ -131,11 +134,30 @@ def forget() -> None:
     _kept.clear()
 
 
-def _agreed(kept: Share | None, group: AxisGroup, device: torch.device) -> Any:
-    """Start asking every rank whether its kept share still holds (collective: one integer);
-    the returned future is true when every rank's does."""
-    changed = torch.tensor([0 if kept is not None else 1], dtype=torch.int64, device=device)
-    return comm.all_reduce_async(changed, group).then(lambda f: int(f.value()[0]) == 0)
+class _Agreement:
+    """The ranks' answer to "does every kept share still hold?", under way; :meth:`wait` gives it
+    (and raises, naming them, if any rank said it could not take part)."""
+
+    def __init__(self, future: Any, group: AxisGroup, failed: str | None) -> None:
+        self.future, self.group, self.failed = future, group, failed
+
+    def wait(self) -> bool:
+        got = self.future.wait().tolist()
+        if got[1]:
+            ranks = [r for r in range(self.group.size) if got[2 + r]]
+            reason = f" ({self.failed})" if self.failed is not None else ""
+            raise CheckpointError(f"rank(s) {ranks} could not take part in the save{reason}")
+        return got[0] == 0
+
+
+def _agreed(kept: Share | None, group: AxisGroup, device: torch.device, failed: str | None = None) -> _Agreement:
+    """Start asking every rank whether its kept share still holds (collective: a few integers).
+    ``failed``: this rank cannot take part (why); every rank's answer then raises."""
+    flags = [0 if kept is not None else 1, int(failed is not None)] + [0] * group.size
+    if failed is not None:
+        flags[2 + group.rank] = 1
+    tensor = torch.tensor(flags, dtype=torch.int64, device=device)
+    return _Agreement(comm.all_reduce_async(tensor, group), group, failed)
 
 
 def start_agreeing(signature: Signature, ctx: ParallelContext) -> tuple[Share | None, Any]:
@@ -160,12 +182,23 @@ def share(signature: Signature, ctx: ParallelContext, started: Any = None) -> Sh
 
 
 def settle(
-    signature: Signature, ctx: ParallelContext, kept: Share | None, copied: list[int], group: AxisGroup | None
+    signature: Signature,
+    ctx: ParallelContext,
+    kept: Share | None,
+    copied: list[int],
+    group: AxisGroup | None,
+    failed: str | None = None,
 ) -> list[tuple[str, int]]:
     """An asynchronous save, in the background: the ranks agree (collective over ``group``, the
     writers' own) on which of the pieces each ``copied`` this rank writes; the keys and indices
-    of those. Keeps the balanced plan for the next save when it changed."""
-    agreed = group is None or _agreed(kept, group, torch.device("cpu")).wait()  # every rank asks
+    of those. Keeps the balanced plan for the next save when it changed. ``failed``: this rank
+    cannot go on (why): every rank raises, none waits for it."""
+    if group is None:
+        if failed is not None:
+            raise CheckpointError(failed)
+        agreed = True
+    else:
+        agreed = _agreed(kept, group, torch.device("cpu"), failed).wait()  # every rank asks
     if agreed and kept is not None:
         return kept.keys
     forget()

@@ -69,7 +69,7 @@ def rng_tensors(ctx: ParallelContext) -> dict[str, torch.Tensor]:
         out[f"stream:{','.join(axes)}:cpu"] = cpu
         if dev is not None:
             out[f"stream:{','.join(axes)}:device"] = dev
-    return {k: v.detach().clone() for k, v in out.items()}
+    return out  # fresh tensors: the generators hand out copies, the streams replace theirs
 
 
 def rng_states() -> tuple[Any, Any]:

@@ -47,7 +47,7 @@ from tessera.checkpoint.format import (
     write_json,
     write_pieces,
 )
-from tessera.checkpoint.holding import Holding, Piece, holding, kinds, layout_holds
+from tessera.checkpoint.holding import Holding, Piece, forget_listings, holding, kinds
 from tessera.checkpoint.runstate import jsonable, layout_of, rng_json, rng_states
 from tessera.context import ParallelContext
 from tessera.context.views import View
@@ -107,20 +107,29 @@ def save(
             return _save_now(final, engine, dataloader, extra)
     # collective the first time: every rank is in this call
     group = ctx.side_group("checkpoint") if ctx.world_size > 1 else None
-    partial = _fresh_partial(final) if ctx.rank == 0 else partial_folder(final)  # a bad path fails here
+    partial = partial_folder(final)
     with engine.strategy.checkpoint_session():
-        held = holding(engine, check_layout=False)
-        kept, copied, copies = _snapshot(held, ctx)
-        if not layout_holds(held):  # a kept tensor changed dtype (or shape) in place: list anew
+        held = holding(engine, check_layout=False)  # _snapshot checks what it copies
+        snapshot = _snapshot(held, ctx)
+        if snapshot is None:  # a tensor changed dtype or shape in place: list anew, copy again
+            forget_listings()
             held = holding(engine)
-            kept, copied, copies = _snapshot(held, ctx)
+            snapshot = _snapshot(held, ctx)
+            assert snapshot is not None
+    kept, copied, copies = snapshot
     counters = _counters(engine, dataloader, extra, held) if ctx.rank == 0 else None
     python_rng = rng_states()
     other = jsonable(held.other)
 
     def job() -> None:
-        try:  # the other ranks write once this returns: rank 0's folder exists by then
-            keys = planning.settle(held.signature, ctx, kept, copied, group)
+        failed = None
+        if ctx.rank == 0:  # before the agreement: the other ranks write once it is reached
+            try:
+                _fresh_partial(final)
+            except Exception as exc:  # the others hear of it in the agreement rather than wait
+                failed = f"rank 0 could not make {partial}: {exc}"
+        try:
+            keys = planning.settle(held.signature, ctx, kept, copied, group, failed)
         except BaseException:
             planning.forget()
             raise
@@ -132,24 +141,36 @@ def save(
     return submit(final, job)
 
 
-def _snapshot(held: Holding, ctx: ParallelContext) -> tuple[planning.Share | None, list[int], dict[int, torch.Tensor]]:
+def _snapshot(
+    held: Holding, ctx: ParallelContext
+) -> tuple[planning.Share | None, list[int], dict[int, torch.Tensor]] | None:
     """Copy what this rank may write into host memory: its kept share if it has one, else
-    everything it holds. The kept share (or None), the indices copied, and the copies by index."""
+    everything it holds. The kept share (or None), the indices copied, and the copies by index;
+    None if a copied tensor no longer has the dtype and shape the listing gave it.
+
+    Only the copied tensors are checked, after the copy (which has just read them): every piece
+    of a save is copied, so checked, by the rank that writes it; a rank that finds one changed
+    lists anew, and then every rank plans anew (:func:`planning.settle`), so a change seen by
+    one writer reaches the plan; a rank whose share later takes such a piece checks it then."""
     kept = planning.kept_share(held.signature, ctx)
     if kept is not None:
-        copied = [n for _, n in kept.keys]
+        copied = kept.indices
         if kept.staging is None:
             kept.staging = Staging(kinds(held.signature, copied), pin=ctx.device.type == "cuda")
         staging = kept.staging
     else:  # this rank's tensors changed (or its first save)
         copied = list(range(len(held.pieces)))
         staging = Staging(kinds(held.signature, copied), pin=ctx.device.type == "cuda")
+    pieces = held.pieces
+    tensors = [pieces[n].tensor for n in copied]
     try:
-        copies = staging.copy([held.pieces[n].tensor for n in copied])
+        copies = staging.copy(tensors)
     except RuntimeError:
-        if layout_holds(held):
+        if staging.holds(tensors):
             raise
-        copies = []  # a shape changed in place: the caller lists anew and copies again
+        return None  # a shape that no longer fits its place in the buffer
+    if held.kept and not staging.holds(tensors):
+        return None
     return kept, copied, dict(zip(copied, copies))
 
 
@@ -176,7 +197,7 @@ def _prepare_staging(ctx: ParallelContext, held: Holding) -> None:
     allocated and touched now, in the background, rather than during the next save."""
     share = planning.kept_share(held.signature, ctx)
     if share is not None and share.staging is None:
-        indices = [n for _, n in share.keys]
+        indices = share.indices
         share.staging = Staging(kinds(held.signature, indices), pin=ctx.device.type == "cuda", touch=True)
 
 
@@ -252,12 +273,18 @@ def _counters(engine: Any, dataloader: Any, extra: dict[str, Any] | None, held: 
     return {
         "step": engine.global_step,
         "engine": jsonable(engine.state_dict()),
-        "param_groups": [{k: jsonable(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+        "param_groups": [{k: _frozen(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
         "scheduler": jsonable(scheduler.state_dict()) if scheduler is not None else None,
         "dataloader": dataloader.state_dict() if dataloader is not None and hasattr(dataloader, "state_dict") else None,
         "extra": jsonable(extra) if extra is not None else None,
         "aliases": held.aliases,
     }
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` as it is now: a number, string or None as it is (JSON later, in the
+    background), anything else (a tensor, a list: they may change in place) as JSON now."""
+    return value if value is None or type(value) in (int, float, bool, str) else jsonable(value)
 
 
 def _run_state(engine: Any, counters: dict[str, Any]) -> dict[str, Any]:
@@ -272,7 +299,7 @@ def _run_state(engine: Any, counters: dict[str, Any]) -> dict[str, Any]:
         "options": jsonable(engine.options),
         "config": jsonable(getattr(engine, "run_config", None)),
         "engine": counters["engine"],
-        "optimizer": {"param_groups": counters["param_groups"]},
+        "optimizer": {"param_groups": jsonable(counters["param_groups"])},
         "scheduler": counters["scheduler"],
         "dataloader": counters["dataloader"],
         "extra": counters["extra"],

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera.checkpoint import full_state_dict, load, planning, save
+from tessera import comm
+from tessera.checkpoint import full_state_dict, load, planning, read_index, save
 from tests.dist.test_checkpoint_resume import BUCKET_MB, setup
 
 LAYOUTS = {
@@ -85,3 +86,65 @@ def test_a_rank_whose_pieces_changed_alone_still_saves_everything(pools, tmp_pat
         assert exchanges == 2  # the first save's plan, and the plan among the copies of the third
         for expected, got in zip(states, loaded):
             assert all(torch.equal(got[key], expected[key]) for key in expected)
+
+
+def dtype_changed_in_place(root: str):
+    """dp2: after a first asynchronous save, every parameter of one module becomes float64 in
+    place (the same objects); each rank checks only the pieces it copies, so the change must be
+    seen by whichever rank writes each of them."""
+    engine, loader, _ = setup(LAYOUTS["dp2"], dropout=0.0)
+    engine.train_batch(iter(loader))
+    save(f"{root}/a", engine, blocking=False).wait()
+    head = [m for m in engine.model.modules() if list(m.parameters(recurse=False))][-1]
+    for param in head.parameters(recurse=False):
+        param.data = param.data.double() + 0.25
+    expected = full_state_dict(engine.model)
+    save(f"{root}/b", engine, blocking=False).wait()
+    comm.barrier(engine.ctx.group("world"))  # rank 0's wait() returns once the folder is complete
+
+    index = read_index(f"{root}/b")
+    other, _, _ = setup(LAYOUTS["dp2"], dropout=0.0)
+    for param in [m for m in other.model.modules() if list(m.parameters(recurse=False))][-1].parameters(recurse=False):
+        param.data = param.data.double()
+    load(f"{root}/b", other)
+    got = full_state_dict(other.model)
+    names = [n for n, _ in head.named_parameters(recurse=False)]
+    dtypes = {k: v["dtype"] for k, v in index["tensors"].items() if k.startswith("model/")}
+    return names, dtypes, expected, got
+
+
+def test_an_asynchronous_save_sees_a_dtype_changed_in_place_on_every_writer(pools, tmp_path):
+    for names, dtypes, expected, got in pools.run(2, dtype_changed_in_place, str(tmp_path), timeout=300):
+        changed = [k for k in dtypes if k.rsplit(".", 1)[-1] in names and dtypes[k] == "F64"]
+        assert changed and all(v == "F32" for k, v in dtypes.items() if k not in changed)
+        assert got.keys() == expected.keys()
+        for key in expected:
+            assert got[key].dtype == expected[key].dtype and torch.equal(got[key], expected[key]), key
+
+
+def rank0_cannot_make_the_folder(root: str):
+    """Rank 0 makes the save's folder in the background; if it cannot, every rank's save fails
+    (no rank waits for the others until the timeout)."""
+    import time
+
+    from tessera.checkpoint import CheckpointError
+
+    engine, loader, _ = setup(LAYOUTS["dp2"], dropout=0.0)
+    engine.train_batch(iter(loader))
+    blocker = f"{root}/file"
+    if engine.ctx.rank == 0:
+        open(blocker, "w").close()  # a file where the save's parent folder should be
+    start = time.monotonic()
+    handle = save(f"{blocker}/ckpt", engine, blocking=False)
+    try:
+        handle.wait()
+        error = None
+    except CheckpointError as exc:
+        error = str(exc)
+    return error, time.monotonic() - start
+
+
+def test_a_save_whose_folder_rank0_cannot_make_fails_on_every_rank(pools, tmp_path):
+    for error, seconds in pools.run(2, rank0_cannot_make_the_folder, str(tmp_path), timeout=120):
+        assert error is not None and "rank(s) [0] could not take part" in error, error
+        assert seconds < 30
