@@ -16,6 +16,7 @@ from tessera.config.options import training_options
 from tessera.context import ParallelContext, get_context, set_context
 from tessera.engine import Engine
 from tessera.engine import initialize as initialize_with
+from tessera.hf import prepare as prepare_hf
 from tessera.init.materialise import Source
 
 _config: Config | None = None
@@ -68,6 +69,7 @@ def initialize(
             raise ValueError("no config for this run; start it with tessera.launch(...) or pass config=")
         config = _config
     require_available(config)
+    prepare_hf(model, optimizer, ctx)  # a transformers model under tensor parallelism: its policy
     engine, train_dataloader, test_dataloader, lr_scheduler = initialize_with(
         model,
         optimizer,

@@ -126,7 +126,7 @@ def check_model_fits_layout(model: nn.Module, ctx: ParallelContext) -> None:
             f"{tensor} tensor ranks would all compute the same thing. Build the model from tessera.nn "
             "layers (tessera.nn.Linear, Embedding, LayerNorm, ..., as tessera.models does), or set "
             "parallel.tensor.size=1 and give the ranks to data parallelism (unmodified Hugging Face "
-            "models are not split by tensor parallelism yet)"
+            "models are split by their policy in tessera.initialize: docs/hf.md)"
         )
     pipeline = ctx.size("pipeline")
     if pipeline > 1 and not _has_pipeline_layers(model):

@@ -26,6 +26,7 @@ RANKS: dict[str, float] = {
     "init": 4.05,  # deferred initialisation: fills what a strategy holds through checkpoint's placing
     "engine": 4.1,
     "models": 5.0,
+    "hf": 5.0,  # policies that parallelize unmodified transformers models
     "data": 5.0,
     "config": 6.0,  # builds the options of the layers below from a config
     "session": 6.1,  # the current run: context, config, tessera.initialize

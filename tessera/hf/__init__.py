@@ -1,0 +1,13 @@
+"""Unmodified Hugging Face ``transformers`` models under tessera's layouts.
+
+``tessera.initialize`` calls :func:`prepare` on a ``transformers`` model: with more than one
+tensor rank the model's policy rewrites it in place (GPT-2; LLaMA and the models that share its
+layout). A model without a policy fails there, naming the layouts that work (data parallel,
+ZeRO, Gemini); :func:`register_policy` adds one. ``transformers`` is an optional extra
+(``pip install 'tessera[hf]'``); nothing here imports it.
+"""
+
+from tessera.hf.apply import is_hf_model, policy_for, prepare, registered
+from tessera.hf.policy import Policy, register_policy
+
+__all__ = ["Policy", "is_hf_model", "policy_for", "prepare", "register_policy", "registered"]

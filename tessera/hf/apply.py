@@ -1,0 +1,95 @@
+"""Applying policies: :func:`prepare`, which ``tessera.initialize`` calls on a ``transformers``
+model, looks its policy up (the built-in ones are registered on import: GPT-2, LLaMA), checks
+the model against the layout, rewrites it and hands the optimizer the new parameters.
+
+A model without a policy, or a layout the policy does not implement, fails there naming the
+model class, the rule and the layouts that do work.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tessera.context import ParallelContext
+from tessera.errors import ConfigError
+from tessera.hf import gpt2, llama
+from tessera.hf.policy import Policy, served
+
+__all__ = ["is_hf_model", "policy_for", "prepare", "registered"]
+
+BUILTIN = (gpt2.POLICY, llama.POLICY)
+
+
+def registered() -> dict[str, Policy]:
+    """The policies by model class name."""
+    return dict(served())
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a ``transformers`` model (checked without importing transformers)."""
+    return any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
+
+
+def policy_for(model: nn.Module) -> Policy | None:
+    return served().get(type(model).__name__)
+
+
+def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext) -> nn.Module:
+    """Parallelize the ``transformers`` model ``model`` in place for ``ctx``'s tensor axis (nothing
+    to do with one tensor rank) and point ``optimizer`` at the new parameters. Raises
+    ConfigError when no policy serves the model, the mode, or the model's configuration."""
+    if ctx.size("tensor") == 1 or not is_hf_model(model):
+        return model
+    cls = type(model).__name__
+    mode = ctx.dims.tensor_mode
+    layout = f"parallel.tensor = dict(size={ctx.size('tensor')}, mode={mode!r})"
+    works = "data parallel, ZeRO 1-3 and Gemini (parallel.tensor.size=1)"
+    policy = policy_for(model)
+    if policy is None:
+        served = ", ".join(sorted(registered())) or "none"
+        raise ConfigError(
+            f"{layout}: tessera has no tensor-parallel policy for the transformers model {cls} (policies "
+            f"serve: {served}). Layouts that work without one: {works}; or write a policy and register "
+            "it with tessera.hf.register_policy (docs/hf.md)"
+        )
+    if mode not in policy.modes:
+        raise ConfigError(
+            f"{layout}: the {policy.name} policy for {cls} implements tensor mode(s) "
+            f"{', '.join(policy.modes)}, not {mode!r}. Layouts that work: those modes, or {works}"
+        )
+    if ctx.dims.sequence_parallel and not policy.sequence_parallel:
+        raise ConfigError(f"{layout}: the {policy.name} policy for {cls} has no sequence-parallel regions")
+    broken = policy.check(model, ctx)
+    if broken:
+        raise ConfigError(
+            f"{layout}: {cls} cannot be split this way: {'; '.join(broken)}. Layouts that work: a tensor "
+            f"size that divides them, or {works}"
+        )
+    _check_optimizer_fresh(optimizer)
+    replaced = policy.apply(model, ctx)
+    _repoint(optimizer, replaced)
+    return model
+
+
+def _check_optimizer_fresh(optimizer: torch.optim.Optimizer) -> None:
+    if any(len(s) for s in optimizer.state.values()):
+        raise ConfigError(
+            "tensor parallelism replaces the model's parameters: build the optimizer, but take no step "
+            "with it, before tessera.initialize"
+        )
+
+
+def _repoint(optimizer: torch.optim.Optimizer, replaced: dict[int, nn.Parameter]) -> None:
+    """Replace the optimizer's old parameters by the new ones (a tied pair becomes one)."""
+    for group in optimizer.param_groups:
+        seen: set[int] = set()
+        params: list[Any] = []
+        for p in group["params"]:
+            new = replaced.get(id(p), p)
+            if id(new) not in seen:
+                seen.add(id(new))
+                params.append(new)
+        group["params"] = params

@@ -1,0 +1,80 @@
+"""Policies: how to parallelize one family of unmodified Hugging Face models.
+
+A :class:`Policy` names the ``transformers`` classes it serves, the tensor-parallel modes it
+implements, the rules a configuration must keep (attention heads divisible by the tensor size,
+say) and how to rewrite a model in place for a context. Policies are registered by model class
+name (:func:`register_policy`); ``tessera.hf.apply.prepare`` looks a model's up and applies it.
+This module also has the helpers policies rewrite models with (:func:`swap`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from tessera.context import ParallelContext
+
+__all__ = ["Policy", "divides", "register_policy", "replace_module", "served", "swap"]
+
+
+@dataclass
+class Policy:
+    """How to parallelize the ``transformers`` models whose class is one of ``classes``.
+
+    ``modes``: the tensor modes implemented; ``check(model, ctx)`` returns the rules the
+    model's configuration breaks under ``ctx`` (empty: none); ``apply(model, ctx)`` rewrites
+    the model in place for ``ctx`` (its tensor mode, sequence parallelism) and returns
+    ``{id(old parameter): new parameter}`` for the parameters it replaced."""
+
+    name: str
+    classes: tuple[str, ...]
+    modes: tuple[str, ...]
+    check: Callable[[nn.Module, ParallelContext], list[str]]
+    apply: Callable[[nn.Module, ParallelContext], dict[int, nn.Parameter]]
+    notes: str = ""
+    sequence_parallel: bool = field(default=True)  # 1D sequence-parallel regions implemented
+
+
+_POLICIES: dict[str, Policy] = {}
+
+
+def register_policy(policy: Policy, *, replace: bool = False) -> None:
+    """Serve ``policy.classes`` with ``policy`` (a class already served fails unless ``replace``)."""
+    for name in policy.classes:
+        if name in _POLICIES and not replace:
+            raise ValueError(f"{name} already has the policy {_POLICIES[name].name!r}; pass replace=True")
+    for name in policy.classes:
+        _POLICIES[name] = policy
+
+
+def served() -> dict[str, Policy]:
+    """The registered policies by model class name (the registry itself)."""
+    return _POLICIES
+
+
+def replace_module(root: nn.Module, name: str, new: nn.Module) -> None:
+    """Set the submodule at dotted ``name`` of ``root`` to ``new``."""
+    parent_name, _, child = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, new)
+
+
+def swap(
+    root: nn.Module, name: str, make: Callable[[nn.Module], nn.Module], replaced: dict[int, nn.Parameter]
+) -> nn.Module:
+    """Replace the submodule ``name`` by ``make(old)``, recording old -> new parameters by name."""
+    old = root.get_submodule(name)
+    new = make(old)
+    before = dict(old.named_parameters(recurse=False))
+    for pname, param in new.named_parameters(recurse=False):
+        if pname in before and before[pname] is not param:
+            replaced[id(before[pname])] = param
+    replace_module(root, name, new)
+    return new
+
+
+def divides(what: str, count: int, size: int) -> list[str]:
+    """The rule ``count % size == 0`` as a message when broken."""
+    return [] if count % size == 0 else [f"{what} ({count}) must be divisible by the tensor size ({size})"]
