@@ -15,22 +15,25 @@ from typing import Any
 from torch import nn
 
 from tessera.context import ParallelContext
-from tessera.hf.layers import (
-    ColumnParallel,
-    RowParallel,
-    SequenceParallelNorm,
-    VocabEmbedding,
-    VocabHead,
-    gather_sequence_after,
-    region,
-    split_sequence_before,
+from tessera.hf.decoder import Block, Layout1D, apply_1d
+from tessera.hf.policy import Policy, divides, register_policy
+
+
+def _heads(block: Any, size: int) -> None:
+    """Each rank keeps ``n_head / P`` heads: ``c_attn``'s output is split ``split_size`` wide."""
+    block.attn.split_size //= size
+    block.attn.num_heads //= size
+
+
+LAYOUT = Layout1D(
+    body="transformer",
+    embedding="wte",
+    layers="h",
+    blocks=(Block("attn", {"c_attn": 3}, "c_proj"), Block("mlp", {"c_fc": 1}, "c_proj")),
+    norms=("ln_1", "ln_2"),
+    final_norm="ln_f",
+    per_layer=_heads,
 )
-from tessera.hf.policy import Policy, divides, register_policy, swap
-
-
-def _body(model: Any) -> tuple[Any, str]:
-    """The ``GPT2Model`` inside ``model`` and its name prefix."""
-    return (model.transformer, "transformer.") if hasattr(model, "transformer") else (model, "")
 
 
 def check(model: Any, ctx: ParallelContext) -> list[str]:
@@ -42,34 +45,7 @@ def check(model: Any, ctx: ParallelContext) -> list[str]:
 
 
 def apply(model: Any, ctx: ParallelContext) -> dict[int, nn.Parameter]:
-    body, prefix = _body(model)
-    size = ctx.size("tensor")
-    sp = ctx.dims.sequence_parallel
-    replaced: dict[int, nn.Parameter] = {}
-    swap(model, f"{prefix}wte", lambda m: VocabEmbedding(m, ctx=ctx), replaced)
-    for n, block in enumerate(body.h):
-        name = f"{prefix}h.{n}"
-        attn = block.attn
-        swap(model, f"{name}.attn.c_attn", lambda m: ColumnParallel(m, ctx=ctx, groups=3), replaced)
-        swap(model, f"{name}.attn.c_proj", lambda m: RowParallel(m, ctx=ctx, sequence_parallel=sp), replaced)
-        attn.split_size //= size
-        attn.num_heads //= size
-        swap(model, f"{name}.mlp.c_fc", lambda m: ColumnParallel(m, ctx=ctx), replaced)
-        swap(model, f"{name}.mlp.c_proj", lambda m: RowParallel(m, ctx=ctx, sequence_parallel=sp), replaced)
-        region(block.attn, ctx, sp)
-        region(block.mlp, ctx, sp)
-        if sp:
-            for norm in ("ln_1", "ln_2"):
-                swap(model, f"{name}.{norm}", lambda m: SequenceParallelNorm(m, ctx=ctx), replaced)
-    if sp:
-        split_sequence_before(body.h[0], ctx)
-        ln_f = swap(model, f"{prefix}ln_f", lambda m: SequenceParallelNorm(m, ctx=ctx), replaced)
-        gather_sequence_after(ln_f, ctx)
-    head = getattr(model, "lm_head", None)
-    if head is not None:
-        tied = replaced.get(id(head.weight))  # the head shares the embedding's weight: keep sharing it
-        swap(model, "lm_head", lambda m: VocabHead(m, ctx=ctx, tied=tied), replaced)
-    return replaced
+    return apply_1d(model, ctx, LAYOUT)
 
 
 POLICY = Policy(

@@ -19,21 +19,20 @@ from typing import Any
 from torch import nn
 
 from tessera.context import ParallelContext
-from tessera.hf.layers import (
-    ColumnParallel,
-    RowParallel,
-    SequenceParallelNorm,
-    VocabEmbedding,
-    VocabHead,
-    gather_sequence_after,
-    region,
-    split_sequence_before,
+from tessera.hf.decoder import Block, Layout1D, apply_1d
+from tessera.hf.policy import Policy, divides, register_policy
+
+LAYOUT = Layout1D(
+    body="model",
+    embedding="embed_tokens",
+    layers="layers",
+    blocks=(
+        Block("self_attn", {"q_proj": 1, "k_proj": 1, "v_proj": 1}, "o_proj"),
+        Block("mlp", {"gate_proj": 1, "up_proj": 1}, "down_proj"),
+    ),
+    norms=("input_layernorm", "post_attention_layernorm"),
+    final_norm="norm",
 )
-from tessera.hf.policy import Policy, divides, register_policy, swap
-
-
-def _body(model: Any) -> tuple[Any, str]:
-    return (model.model, "model.") if hasattr(model, "lm_head") else (model, "")
 
 
 def check(model: Any, ctx: ParallelContext) -> list[str]:
@@ -44,32 +43,7 @@ def check(model: Any, ctx: ParallelContext) -> list[str]:
 
 
 def apply(model: Any, ctx: ParallelContext) -> dict[int, nn.Parameter]:
-    body, prefix = _body(model)
-    sp = ctx.dims.sequence_parallel
-    replaced: dict[int, nn.Parameter] = {}
-    swap(model, f"{prefix}embed_tokens", lambda m: VocabEmbedding(m, ctx=ctx), replaced)
-    for n, layer in enumerate(body.layers):
-        name = f"{prefix}layers.{n}"
-        for proj in ("q_proj", "k_proj", "v_proj"):
-            swap(model, f"{name}.self_attn.{proj}", lambda m: ColumnParallel(m, ctx=ctx), replaced)
-        swap(model, f"{name}.self_attn.o_proj", lambda m: RowParallel(m, ctx=ctx, sequence_parallel=sp), replaced)
-        for proj in ("gate_proj", "up_proj"):
-            swap(model, f"{name}.mlp.{proj}", lambda m: ColumnParallel(m, ctx=ctx), replaced)
-        swap(model, f"{name}.mlp.down_proj", lambda m: RowParallel(m, ctx=ctx, sequence_parallel=sp), replaced)
-        region(layer.self_attn, ctx, sp)
-        region(layer.mlp, ctx, sp)
-        if sp:
-            for norm in ("input_layernorm", "post_attention_layernorm"):
-                swap(model, f"{name}.{norm}", lambda m: SequenceParallelNorm(m, ctx=ctx), replaced)
-    if sp:
-        split_sequence_before(body.layers[0], ctx)
-        final = swap(model, f"{prefix}norm", lambda m: SequenceParallelNorm(m, ctx=ctx), replaced)
-        gather_sequence_after(final, ctx)
-    head = getattr(model, "lm_head", None)
-    if head is not None:
-        tied = replaced.get(id(head.weight))  # tied to the embedding: share its split weight
-        swap(model, "lm_head", lambda m: VocabHead(m, ctx=ctx, tied=tied), replaced)
-    return replaced
+    return apply_1d(model, ctx, LAYOUT)
 
 
 POLICY = Policy(
