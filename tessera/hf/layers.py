@@ -37,6 +37,7 @@ from tessera.parallel.tensor.common import ShardSpec, local_range, shard_paramet
 from tessera.parallel.tensor.tp1d.functional import (
     SEQ_DIM,
     TENSOR,
+    column_parallel_linear,
     gather_last_dim,
     row_parallel_linear,
     vocab_parallel_embedding,
@@ -147,11 +148,8 @@ class VocabEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         group = self.ctx.group(TENSOR)
-        start, valid = local_range(self.num_embeddings, group.size, group.rank)
-        padding = None
-        if self.padding_idx is not None and start <= self.padding_idx < start + valid:
-            padding = self.padding_idx - start
-        return vocab_parallel_embedding(ids, self.weight, group, start, padding)
+        start, _ = local_range(self.num_embeddings, group.size, group.rank)
+        return vocab_parallel_embedding(ids, self.weight, group, start, self.padding_idx)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, vocabulary split"
@@ -174,8 +172,7 @@ class VocabHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self.ctx.group(TENSOR)
-        logits = F.linear(comm.copy_forward_all_reduce_backward(x, group), self.weight, self.bias)
-        return gather_last_dim(logits, group, self.out_features)
+        return gather_last_dim(column_parallel_linear(x, self.weight, self.bias, group), group, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, vocabulary split, gathered"

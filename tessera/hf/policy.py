@@ -10,7 +10,7 @@ This module also has the helpers policies rewrite models with (:func:`swap`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -34,7 +34,7 @@ class Policy:
     check: Callable[[nn.Module, ParallelContext], list[str]]
     apply: Callable[[nn.Module, ParallelContext], dict[int, nn.Parameter]]
     notes: str = ""
-    sequence_parallel: bool = field(default=True)  # 1D sequence-parallel regions implemented
+    sequence_parallel: bool = True  # 1D sequence-parallel regions implemented
 
 
 _POLICIES: dict[str, Policy] = {}

@@ -149,12 +149,14 @@ def vocab_parallel_embedding(
 ) -> torch.Tensor:
     """Look ``ids [...]`` (full vocabulary indices) up in this rank's rows ``weight [V/P, D]``
     starting at ``vocab_start``; ids of other ranks give zeros; all-reduce -> ``[..., D]``.
-    ``padding_idx`` is local to ``weight`` (None when it is not in this rank's rows)."""
+    ``padding_idx`` is a full vocabulary index (its row gets no gradient on the rank holding it)."""
+    rows = weight.shape[0]
+    local_pad = padding_idx - vocab_start if padding_idx is not None and 0 <= padding_idx - vocab_start < rows else None
     if group.size == 1:
-        return F.embedding(ids, weight, padding_idx)
-    mine = (ids >= vocab_start) & (ids < vocab_start + weight.shape[0])
+        return F.embedding(ids, weight, local_pad)
+    mine = (ids >= vocab_start) & (ids < vocab_start + rows)
     local = torch.where(mine, ids - vocab_start, torch.zeros_like(ids))
-    out = F.embedding(local, weight, padding_idx).masked_fill(~mine.unsqueeze(-1), 0.0)
+    out = F.embedding(local, weight, local_pad).masked_fill(~mine.unsqueeze(-1), 0.0)
     return comm.all_reduce_forward_copy_backward(out, group)
 
 

@@ -206,11 +206,8 @@ class VocabParallelEmbedding1D(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         group = self.ctx.group(TENSOR)
-        start, valid = local_range(self.num_embeddings, group.size, group.rank)
-        local_pad = None
-        if self.padding_idx is not None and start <= self.padding_idx < start + valid:
-            local_pad = self.padding_idx - start
-        return vocab_parallel_embedding(ids, self.weight, group, start, local_pad)
+        start, _ = local_range(self.num_embeddings, group.size, group.rank)
+        return vocab_parallel_embedding(ids, self.weight, group, start, self.padding_idx)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}"
