@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from tessera.context import ParallelContext
-from tessera.hf.decoder import Block, Layout1D, apply_1d
+from tessera.hf.decoder import Block, Layout, apply_1d
 from tessera.hf.policy import Policy, divides, register_policy
 
 
@@ -25,11 +25,11 @@ def _heads(block: Any, size: int) -> None:
     block.attn.num_heads //= size
 
 
-LAYOUT = Layout1D(
+LAYOUT = Layout(
     body="transformer",
     embedding="wte",
     layers="h",
-    blocks=(Block("attn", {"c_attn": 3}, "c_proj"), Block("mlp", {"c_fc": 1}, "c_proj")),
+    blocks=(Block("attn", {"attn.c_attn": 3}, "attn.c_proj"), Block("mlp", {"mlp.c_fc": 1}, "mlp.c_proj")),
     norms=("ln_1", "ln_2"),
     final_norm="ln_f",
     per_layer=_heads,

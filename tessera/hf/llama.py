@@ -19,16 +19,16 @@ from typing import Any
 from torch import nn
 
 from tessera.context import ParallelContext
-from tessera.hf.decoder import Block, Layout1D, apply_1d
+from tessera.hf.decoder import Block, Layout, apply_1d
 from tessera.hf.policy import Policy, divides, register_policy
 
-LAYOUT = Layout1D(
+LAYOUT = Layout(
     body="model",
     embedding="embed_tokens",
     layers="layers",
     blocks=(
-        Block("self_attn", {"q_proj": 1, "k_proj": 1, "v_proj": 1}, "o_proj"),
-        Block("mlp", {"gate_proj": 1, "up_proj": 1}, "down_proj"),
+        Block("self_attn", {"self_attn.q_proj": 1, "self_attn.k_proj": 1, "self_attn.v_proj": 1}, "self_attn.o_proj"),
+        Block("mlp", {"mlp.gate_proj": 1, "mlp.up_proj": 1}, "mlp.down_proj"),
     ),
     norms=("input_layernorm", "post_attention_layernorm"),
     final_norm="norm",
