@@ -15,8 +15,9 @@ from typing import Any
 from torch import nn
 
 from tessera.context import ParallelContext
-from tessera.hf.decoder import Block, Layout, apply_1d
-from tessera.hf.policy import Policy, divides, register_policy
+from tessera.hf.decoder import Block, Layout
+from tessera.hf.plans import MODES, apply_layout, heads_rule
+from tessera.hf.policy import Policy, register_policy
 
 
 def _heads(block: Any, size: int) -> None:
@@ -32,28 +33,29 @@ LAYOUT = Layout(
     blocks=(Block("attn", {"attn.c_attn": 3}, "attn.c_proj"), Block("mlp", {"mlp.c_fc": 1}, "mlp.c_proj")),
     norms=("ln_1", "ln_2"),
     final_norm="ln_f",
+    replicated=("wpe",),
     per_layer=_heads,
 )
 
 
 def check(model: Any, ctx: ParallelContext) -> list[str]:
     config = model.config
-    broken = divides("n_head", config.n_head, ctx.size("tensor"))
+    broken = heads_rule(ctx, n_head=config.n_head)
     if getattr(config, "add_cross_attention", False):
         broken.append("cross-attention (add_cross_attention=True) has no tensor-parallel policy")
     return broken
 
 
 def apply(model: Any, ctx: ParallelContext) -> dict[int, nn.Parameter]:
-    return apply_1d(model, ctx, LAYOUT)
+    return apply_layout(model, ctx, LAYOUT)
 
 
 POLICY = Policy(
     name="gpt2",
     classes=("GPT2LMHeadModel", "GPT2Model"),
-    modes=("1d",),
+    modes=MODES,
     check=check,
     apply=apply,
-    notes="1D tensor parallelism with sequence-parallel regions; the other modes are not built yet",
+    notes="every tensor mode; sequence-parallel regions in 1D",
 )
 register_policy(POLICY)

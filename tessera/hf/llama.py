@@ -19,8 +19,9 @@ from typing import Any
 from torch import nn
 
 from tessera.context import ParallelContext
-from tessera.hf.decoder import Block, Layout, apply_1d
-from tessera.hf.policy import Policy, divides, register_policy
+from tessera.hf.decoder import Block, Layout
+from tessera.hf.plans import MODES, apply_layout, heads_rule
+from tessera.hf.policy import Policy, register_policy
 
 LAYOUT = Layout(
     body="model",
@@ -37,13 +38,12 @@ LAYOUT = Layout(
 
 def check(model: Any, ctx: ParallelContext) -> list[str]:
     config = model.config
-    size = ctx.size("tensor")
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return divides("num_attention_heads", config.num_attention_heads, size) + divides("num_key_value_heads", kv, size)
+    return heads_rule(ctx, num_attention_heads=config.num_attention_heads, num_key_value_heads=kv)
 
 
 def apply(model: Any, ctx: ParallelContext) -> dict[int, nn.Parameter]:
-    return apply_1d(model, ctx, LAYOUT)
+    return apply_layout(model, ctx, LAYOUT)
 
 
 POLICY = Policy(
@@ -56,9 +56,9 @@ POLICY = Policy(
         "MistralForCausalLM",
         "MistralModel",
     ),
-    modes=("1d",),
+    modes=MODES,
     check=check,
     apply=apply,
-    notes="1D tensor parallelism with sequence-parallel regions; the other modes are not built yet",
+    notes="every tensor mode; sequence-parallel regions in 1D",
 )
 register_policy(POLICY)
