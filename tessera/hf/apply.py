@@ -38,16 +38,28 @@ def policy_for(model: nn.Module) -> Policy | None:
 
 
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext) -> nn.Module:
-    """Parallelize the ``transformers`` model ``model`` in place for ``ctx``'s tensor axis (nothing
-    to do with one tensor rank) and point ``optimizer`` at the new parameters. Raises
-    ConfigError when no policy serves the model, the mode, or the model's configuration."""
-    if ctx.size("tensor") == 1 or not is_hf_model(model):
+    """Parallelize the ``transformers`` model ``model`` in place for ``ctx``'s tensor axis and
+    pipeline stages (nothing to do with one tensor rank and one stage) and point ``optimizer``
+    at the new parameters. Raises ConfigError when no policy serves the model, the mode, or the
+    model's configuration."""
+    pipelined = ctx.size("pipeline") > 1
+    if (ctx.size("tensor") == 1 and not pipelined) or not is_hf_model(model):
         return model
+    policy = policy_for(model)
+    if ctx.size("tensor") > 1:
+        _split_tensors(model, optimizer, ctx, policy)
+    if pipelined:
+        _cut_stages(model, ctx, policy)
+    return model
+
+
+def _split_tensors(
+    model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext, policy: Policy | None
+) -> None:
     cls = type(model).__name__
     mode = ctx.dims.tensor_mode
     layout = f"parallel.tensor = dict(size={ctx.size('tensor')}, mode={mode!r})"
     works = "data parallel, ZeRO 1-3 and Gemini (parallel.tensor.size=1)"
-    policy = policy_for(model)
     if policy is None:
         served = ", ".join(sorted(registered())) or "none"
         raise ConfigError(
@@ -71,7 +83,28 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelCon
     _check_optimizer_fresh(optimizer)
     replaced = policy.apply(model, ctx)
     _repoint(optimizer, replaced)
-    return model
+
+
+def _cut_stages(model: nn.Module, ctx: ParallelContext, policy: Policy | None) -> None:
+    """Give ``model`` its pipeline layers (``model.pipeline_layers()``, which the pipeline
+    partitioner reads) from its policy."""
+    cls = type(model).__name__
+    layout = f"parallel.pipeline.size={ctx.size('pipeline')}"
+    works = "data parallel, ZeRO 1-3 and Gemini (parallel.pipeline.size=1)"
+    if policy is None or policy.pipeline is None:
+        served = ", ".join(sorted(n for n, p in registered().items() if p.pipeline is not None)) or "none"
+        raise ConfigError(
+            f"{layout}: tessera has no pipeline policy for the transformers model {cls} (pipeline policies "
+            f"serve: {served}). Layouts that work without one: {works}"
+        )
+    if ctx.size("tensor") > 1 and ctx.dims.tensor_mode != "1d":
+        raise ConfigError(
+            f"{layout} with parallel.tensor.mode={ctx.dims.tensor_mode!r}: Hugging Face models are pipelined "
+            "with 1d tensor parallelism only (the grid modes cut the batch at the model's entry, which "
+            "pipeline stages do not call). Layouts that work: pipeline with tensor mode '1d'"
+        )
+    layers = policy.pipeline(model)
+    object.__setattr__(model, "pipeline_layers", lambda: layers)
 
 
 def _check_optimizer_fresh(optimizer: torch.optim.Optimizer) -> None:

@@ -18,6 +18,7 @@ from tessera.context import ParallelContext
 from tessera.hf.decoder import Block, Layout
 from tessera.hf.plans import MODES, apply_layout, heads_rule
 from tessera.hf.policy import Policy, register_policy
+from tessera.hf.stages import pipeline_layers
 
 
 def _heads(block: Any, size: int) -> None:
@@ -56,6 +57,7 @@ POLICY = Policy(
     modes=MODES,
     check=check,
     apply=apply,
+    pipeline=lambda model: pipeline_layers(model, LAYOUT),
     notes="every tensor mode; sequence-parallel regions in 1D",
 )
 register_policy(POLICY)

@@ -35,6 +35,8 @@ class Policy:
     apply: Callable[[nn.Module, ParallelContext], dict[int, nn.Parameter]]
     notes: str = ""
     sequence_parallel: bool = True  # 1D sequence-parallel regions implemented
+    # the model (rewritten for the tensor layout) as layers for pipeline stages; None: no pipeline
+    pipeline: Callable[[nn.Module], list[nn.Module]] | None = None
 
 
 _POLICIES: dict[str, Policy] = {}

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,6 +35,7 @@ from tessera.comm.group import AxisGroup
 from tessera.comm.ops import p2p_in_any_order
 from tessera.parallel.pipeline.actions import Action, Kind
 from tessera.parallel.pipeline.backward import WeightWork, backward_input, backward_weight
+from tessera.parallel.pipeline.inputs import MISSING, running_inputs
 from tessera.parallel.pipeline.measure import SavedBytes, StepMeasure
 from tessera.parallel.pipeline.p2p_placement import post_early
 from tessera.parallel.pipeline.partition import chunk_ranges
@@ -225,8 +227,12 @@ class PipelineRuntime:
 
     def _forward(self, action: Action) -> None:
         c, i = action.chunk, action.microbatch
-        x = self._inputs[i] if c == 0 else self._act_in.pop((c, i))
-        assert isinstance(x, torch.Tensor)  # awaited by _await_inputs
+        x: Any  # chunk 0 takes the micro-batch's inputs as they come (a tensor, a dict of them)
+        if c == 0:
+            x = self._inputs[i]
+        else:
+            x = self._act_in.pop((c, i))
+            assert isinstance(x, torch.Tensor)  # awaited by _await_inputs
         if self._measure is None:
             out = self._chunk_forward(c, i, x)
         else:
@@ -237,8 +243,9 @@ class PipelineRuntime:
             self._act_in[(c + 1, i)] = out.detach().requires_grad_(True)
         self._saved[(c, i)] = (x, out)
 
-    def _chunk_forward(self, c: int, i: int, x: torch.Tensor) -> torch.Tensor:
-        out = self.chunks[c](x)
+    def _chunk_forward(self, c: int, i: int, x: Any) -> torch.Tensor:
+        with running_inputs(self._inputs[i] if i < len(self._inputs) else MISSING):
+            out = self.chunks[c](x)
         if c == self.num_chunks - 1:
             out = self.loss_fn(out, self._targets[i]) / self.num_microbatches
             assert self._loss is not None

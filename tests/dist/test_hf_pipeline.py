@@ -1,0 +1,89 @@
+"""Unmodified transformers models (GPT-2 with its head tied to the embedding across stages;
+LLaMA with grouped-query attention and rotary embeddings) through pipeline stages by their
+tessera.hf policies: pp2 with 1F1B, and pp2 x tp2 (1d) x dp2. 10 AdamW steps give the losses and
+the weights of plain single-process transformers (fp32, 1e-5), compared through the Hugging
+Face state-dict keys. A padded attention mask (dict micro-batches) reaches every stage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tessera
+from tessera.checkpoint import full_state_dict
+from tessera.testing import use_layout
+from tests.dist.test_hf_tensor import BATCH, batches, build, loss_of, optimizer_of, reference
+
+MICRO = 4  # micro-batches per step
+
+LAYOUTS = {  # pipeline, tensor, data
+    "pp2-1f1b": (2, 1, 1),
+    "pp2-tp2-dp2": (2, 2, 2),
+}
+
+
+def masks() -> list[torch.Tensor]:
+    """Left padding: row r of every batch masks its first r % 4 positions."""
+    seq = batches()[0][0].shape[1]
+    pads = torch.tensor([r % 4 for r in range(BATCH)])
+    return [(torch.arange(seq) >= pads[:, None]).long() for _ in batches()]
+
+
+def masked_reference(family: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = build(family)
+    optimizer = optimizer_of(model)
+    losses = []
+    for (x, y), mask in zip(batches(), masks(), strict=True):
+        optimizer.zero_grad()
+        loss = loss_of(model(input_ids=x, attention_mask=mask), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train(family: str, pipeline: int, tensor: int, data: int, masked: bool = False):
+    parallel = {
+        "data": data,
+        "pipeline": {"size": pipeline, "schedule": "1f1b", "microbatches": MICRO},
+        "tensor": {"size": tensor, "mode": "1d"},
+    }
+    ctx = use_layout(pipeline=pipeline, tensor=tensor, data=data, config={"parallel": parallel})
+    model = build(family)
+    keys = list(model.state_dict())
+    engine, *_ = tessera.initialize(model, optimizer_of(model), loss_of)
+    rows = BATCH // data
+    mine = slice(ctx.local_rank("data") * rows, (ctx.local_rank("data") + 1) * rows)
+    losses = []
+    for (x, y), mask in zip(batches(), masks(), strict=True):
+        x, y, mask = x[mine], y[mine], mask[mine]
+        if masked:
+            micro = [({"input_ids": x[k::MICRO], "attention_mask": mask[k::MICRO]}, y[k::MICRO]) for k in range(MICRO)]
+        else:
+            micro = [(x[k::MICRO], y[k::MICRO]) for k in range(MICRO)]
+        losses.append(float(engine.train_batch(iter(micro))))
+    return losses, full_state_dict(engine.model), keys, engine.strategy.name
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_transformers_model_trains_through_pipeline_stages_as_in_one_process(pools, family, layout):
+    pipeline, tensor, data = LAYOUTS[layout]
+    expected_losses, expected = reference(family)
+    for losses, state, keys, strategy in pools.run(pipeline * tensor * data, train, family, pipeline, tensor, data):
+        assert strategy.startswith("pipeline(1f1b)")
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-6)
+        assert set(state) == set(keys) == set(expected)
+        for key, value in expected.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: key + m)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_padded_attention_mask_reaches_every_stage(pools, family):
+    expected_losses, expected = masked_reference(family)
+    unmasked, _ = reference(family)
+    assert abs(expected_losses[0] - unmasked[0]) > 1e-3  # the mask changes the answer
+    for losses, state, _, _ in pools.run(2, train, family, 2, 1, 1, True):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-6)
+        for key, value in expected.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: key + m)
