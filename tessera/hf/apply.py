@@ -1,6 +1,7 @@
 """Applying policies: :func:`prepare`, which ``tessera.initialize`` calls on a ``transformers``
-model, looks its policy up (the built-in ones are registered on import: GPT-2, LLaMA), checks
-the model against the layout, rewrites it and hands the optimizer the new parameters.
+model, looks its policy up (the built-in ones are registered on import: GPT-2, LLaMA, BERT,
+ViT), checks the model against the layout, rewrites it and hands the optimizer the new
+parameters.
 
 A model without a policy, or a layout the policy does not implement, fails there naming the
 model class, the rule and the layouts that do work.
@@ -15,12 +16,12 @@ from torch import nn
 
 from tessera.context import ParallelContext
 from tessera.errors import ConfigError
-from tessera.hf import gpt2, llama
+from tessera.hf import bert, gpt2, llama, vit
 from tessera.hf.policy import Policy, served
 
 __all__ = ["is_hf_model", "policy_for", "prepare", "registered"]
 
-BUILTIN = (gpt2.POLICY, llama.POLICY)
+BUILTIN = (gpt2.POLICY, llama.POLICY, bert.POLICY, vit.POLICY)
 
 
 def registered() -> dict[str, Policy]:

@@ -28,7 +28,7 @@ from tessera.hf.layers import (
     region,
     split_sequence_before,
 )
-from tessera.hf.policy import swap
+from tessera.hf.policy import retie, swap
 
 __all__ = ["Block", "Layout", "apply_1d", "has_submodule"]
 
@@ -112,4 +112,5 @@ def apply_1d(model: Any, ctx: ParallelContext, layout: Layout) -> dict[int, nn.P
     if has_head and layout.vocab_head:
         tied = replaced.get(id(model.get_submodule(layout.head).weight))  # tied to the embedding: share its split
         swap(model, layout.head, lambda m: VocabHead(m, ctx=ctx, tied=tied), replaced)
+    retie(model, replaced)  # a parameter the model shares elsewhere (BERT's head bias) follows its split
     return replaced

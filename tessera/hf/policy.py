@@ -4,7 +4,7 @@ A :class:`Policy` names the ``transformers`` classes it serves, the tensor-paral
 implements, the rules a configuration must keep (attention heads divisible by the tensor size,
 say) and how to rewrite a model in place for a context. Policies are registered by model class
 name (:func:`register_policy`); ``tessera.hf.apply.prepare`` looks a model's up and applies it.
-This module also has the helpers policies rewrite models with (:func:`swap`).
+This module also has the helpers policies rewrite models with (:func:`swap`, :func:`retie`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 
 from tessera.context import ParallelContext
 
-__all__ = ["Policy", "divides", "register_policy", "replace_module", "served", "swap"]
+__all__ = ["Policy", "divides", "register_policy", "replace_module", "retie", "served", "swap"]
 
 
 @dataclass
@@ -75,6 +75,17 @@ def swap(
             replaced[id(before[pname])] = param
     replace_module(root, name, new)
     return new
+
+
+def retie(root: nn.Module, replaced: dict[int, nn.Parameter]) -> None:
+    """Point every module of ``root`` still holding a replaced parameter at its replacement, so
+    that a parameter shared by two modules (BERT's ``cls.predictions.bias`` is its decoder's
+    bias) stays one parameter after one of them was swapped."""
+    for module in root.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            new = replaced.get(id(param))
+            if new is not None and new is not param:
+                setattr(module, name, new)
 
 
 def divides(what: str, count: int, size: int) -> list[str]:

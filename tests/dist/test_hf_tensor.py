@@ -117,9 +117,9 @@ def refused(kind: str) -> str:
     layout(2)
     if kind == "heads":
         model = build("llama", num_key_value_heads=1)
-    else:
-        config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4)
-        model = transformers.BertForMaskedLM(config)
+    else:  # a family without a policy
+        config = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)
+        model = transformers.T5ForConditionalGeneration(config)
     try:
         tessera.initialize(model, optimizer_of(model), loss_of)
     except ConfigError as exc:
@@ -128,8 +128,8 @@ def refused(kind: str) -> str:
 
 
 def test_a_model_that_cannot_be_split_fails_at_initialize_naming_why(pools):
-    heads, unknown = pools.run(2, refused, "heads")[0], pools.run(2, refused, "bert")[0]
+    heads, unknown = pools.run(2, refused, "heads")[0], pools.run(2, refused, "t5")[0]
     assert "LlamaForCausalLM" in heads and "num_key_value_heads (1) must be divisible by the tensor size (2)" in heads
     assert "data parallel, ZeRO 1-3 and Gemini" in heads
-    assert "no tensor-parallel policy for the transformers model BertForMaskedLM" in unknown
+    assert "no tensor-parallel policy for the transformers model T5ForConditionalGeneration" in unknown
     assert "register_policy" in unknown and "GPT2LMHeadModel" in unknown
