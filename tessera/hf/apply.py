@@ -43,15 +43,29 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelCon
     pipeline stages (nothing to do with one tensor rank and one stage) and point ``optimizer``
     at the new parameters. Raises ConfigError when no policy serves the model, the mode, or the
     model's configuration."""
-    pipelined = ctx.size("pipeline") > 1
-    if (ctx.size("tensor") == 1 and not pipelined) or not is_hf_model(model):
+    pipelined, sequenced = ctx.size("pipeline") > 1, ctx.size("sequence") > 1
+    if (ctx.size("tensor") == 1 and not pipelined and not sequenced) or not is_hf_model(model):
         return model
     policy = policy_for(model)
     if ctx.size("tensor") > 1:
         _split_tensors(model, optimizer, ctx, policy)
+    if sequenced:
+        _split_sequences(model, ctx, policy)
     if pipelined:
         _cut_stages(model, ctx, policy)
     return model
+
+
+def _split_sequences(model: nn.Module, ctx: ParallelContext, policy: Policy | None) -> None:
+    cls = type(model).__name__
+    if policy is None or policy.sequence is None:
+        served = ", ".join(sorted(n for n, p in registered().items() if p.sequence is not None)) or "none"
+        raise ConfigError(
+            f"parallel.sequence.size={ctx.size('sequence')}: tessera has no sequence-parallel policy for the "
+            f"transformers model {cls} (sequence-parallel policies serve: {served}). Layouts that work without "
+            "one: data parallel, ZeRO 1-3 and Gemini, and 1d tensor parallelism with sequence_parallel=True"
+        )
+    policy.sequence(model, ctx)
 
 
 def _split_tensors(

@@ -19,9 +19,11 @@ from typing import Any
 from torch import nn
 
 from tessera.context import ParallelContext
+from tessera.errors import ConfigError
 from tessera.hf.decoder import Block, Layout
 from tessera.hf.plans import MODES, apply_layout, heads_rule
 from tessera.hf.policy import Policy, register_policy
+from tessera.hf.sequence import apply_sequence
 from tessera.hf.stages import pipeline_layers
 
 LAYOUT = Layout(
@@ -43,6 +45,20 @@ def check(model: Any, ctx: ParallelContext) -> list[str]:
     return heads_rule(ctx, num_attention_heads=config.num_attention_heads, num_key_value_heads=kv)
 
 
+def sequence(model: Any, ctx: ParallelContext) -> None:
+    """Attend over the sequence axis; a sliding window (Mistral, Qwen2) has no sequence-parallel
+    attention here, so it is refused rather than ignored."""
+    config = model.config
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True):
+        raise ConfigError(
+            f"parallel.sequence.size={ctx.size('sequence')}: {type(model).__name__} attends within a sliding "
+            f"window of {window} tokens, which tessera's sequence-parallel attention does not implement; "
+            "layouts that work: sliding_window=None, or no sequence axis"
+        )
+    apply_sequence(model, ctx, LAYOUT)
+
+
 def apply(model: Any, ctx: ParallelContext) -> dict[int, nn.Parameter]:
     return apply_layout(model, ctx, LAYOUT)
 
@@ -61,6 +77,7 @@ POLICY = Policy(
     check=check,
     apply=apply,
     pipeline=lambda model: pipeline_layers(model, LAYOUT),
+    sequence=sequence,
     notes="every tensor mode; sequence-parallel regions in 1D",
 )
 register_policy(POLICY)

@@ -37,6 +37,8 @@ class Policy:
     sequence_parallel: bool = True  # 1D sequence-parallel regions implemented
     # the model (rewritten for the tensor layout) as layers for pipeline stages; None: no pipeline
     pipeline: Callable[[nn.Module], list[nn.Module]] | None = None
+    # make the model attend over the sequence axis (ring, all-to-all); None: not supported
+    sequence: Callable[[nn.Module, ParallelContext], None] | None = None
 
 
 _POLICIES: dict[str, Policy] = {}
