@@ -25,8 +25,9 @@ from typing import Any
 from torch import nn
 
 from tessera.context import ParallelContext
-from tessera.hf.decoder import Block, Layout, apply_1d, has_submodule
-from tessera.hf.policy import Policy, divides, register_policy
+from tessera.hf.decoder import Block, Layout, has_submodule
+from tessera.hf.plans import MODES, apply_layout, heads_rule
+from tessera.hf.policy import Policy, register_policy
 
 __all__ = ["CLASSIFIER_LAYOUT", "LAYOUT", "POLICY", "layout_of"]
 
@@ -69,22 +70,22 @@ def layout_of(model: Any) -> Layout:
 
 def check(model: Any, ctx: ParallelContext) -> list[str]:
     config = model.config
-    broken = divides("num_attention_heads", config.num_attention_heads, ctx.size("tensor"))
+    broken = heads_rule(ctx, num_attention_heads=config.num_attention_heads)
     if getattr(config, "add_cross_attention", False):
         broken.append("cross-attention (add_cross_attention=True) has no tensor-parallel policy")
     return broken
 
 
 def apply(model: Any, ctx: ParallelContext) -> dict[int, nn.Parameter]:
-    return apply_1d(model, ctx, layout_of(model))
+    return apply_layout(model, ctx, layout_of(model))
 
 
 POLICY = Policy(
     name="bert",
     classes=("BertModel", "BertForMaskedLM", "BertForSequenceClassification", "BertForTokenClassification"),
-    modes=("1d",),
+    modes=MODES,
     check=check,
     apply=apply,
-    notes="1D tensor parallelism with sequence-parallel regions; the other modes are not built yet",
+    notes="every tensor mode; sequence-parallel regions in 1D",
 )
 register_policy(POLICY)

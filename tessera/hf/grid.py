@@ -40,7 +40,7 @@ from tessera.comm import AxisGroup
 from tessera.context import ParallelContext
 from tessera.hf.decoder import Layout, has_submodule
 from tessera.hf.layers import is_conv1d
-from tessera.hf.policy import replace_module
+from tessera.hf.policy import replace_module, retie
 from tessera.parallel.tensor.common import (
     ShardSpec,
     all_reduce_forward_backward,
@@ -410,6 +410,7 @@ def apply_grid(model: Any, ctx: ParallelContext, layout: Layout) -> dict[int, nn
         if new is not None:
             record(module, new)
             replace_module(model, name, new)
+    retie(model, replaced)  # a parameter the model shares elsewhere (BERT's head bias) follows its split
     for name in replicated:
         _replicated(model.get_submodule(name), space)
     parts = space.hidden_parts

@@ -18,7 +18,8 @@ from typing import Any
 from torch import nn
 
 from tessera.context import ParallelContext
-from tessera.hf.decoder import Block, Layout, apply_1d
+from tessera.hf.decoder import Block, Layout
+from tessera.hf.plans import MODES, apply_layout, heads_rule
 from tessera.hf.policy import Policy, divides, register_policy
 
 __all__ = ["LAYOUT", "POLICY", "sequence_length"]
@@ -61,7 +62,7 @@ def sequence_length(config: Any) -> int:
 def check(model: Any, ctx: ParallelContext) -> list[str]:
     config = model.config
     size = ctx.size("tensor")
-    broken = divides("num_attention_heads", config.num_attention_heads, size)
+    broken = heads_rule(ctx, num_attention_heads=config.num_attention_heads)
     if ctx.dims.sequence_parallel:
         tokens = sequence_length(config)
         broken += divides("with sequence-parallel regions the sequence (1 + patches per image)", tokens, size)
@@ -69,15 +70,15 @@ def check(model: Any, ctx: ParallelContext) -> list[str]:
 
 
 def apply(model: Any, ctx: ParallelContext) -> dict[int, nn.Parameter]:
-    return apply_1d(model, ctx, LAYOUT)
+    return apply_layout(model, ctx, LAYOUT)
 
 
 POLICY = Policy(
     name="vit",
     classes=("ViTModel", "ViTForImageClassification"),
-    modes=("1d",),
+    modes=MODES,
     check=check,
     apply=apply,
-    notes="1D tensor parallelism with sequence-parallel regions; the other modes are not built yet",
+    notes="every tensor mode; sequence-parallel regions in 1D",
 )
 register_policy(POLICY)

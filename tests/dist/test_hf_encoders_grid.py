@@ -1,0 +1,59 @@
+"""Unmodified transformers encoders (BERT with its masked-LM head tied to the word embedding,
+bias included, padding, token types, its classifiers and base model; ViT on synthetic images)
+in the grid tensor modes by their tessera.hf policies: 10 AdamW steps give the losses and the
+weights of plain single-process transformers (fp32, 1e-5) through the Hugging Face keys."""
+
+from __future__ import annotations
+
+import pytest
+
+import tessera
+from tessera.checkpoint import full_state_dict
+from tessera.testing import use_layout
+from tests.dist.test_hf_encoders import batches, build, check_against_reference, loss_of, optimizer_of
+from tests.dist.test_hf_grid import LAYOUTS
+
+
+def train(family: str, tensor: int, mode: str, depth: int):
+    use_layout(
+        tensor=tensor,
+        mode=mode,
+        depth=depth,
+        config={"parallel": {"tensor": {"size": tensor, "mode": mode, "depth": depth}}},
+    )
+    model = build(family)
+    keys = list(model.state_dict())
+    optimizer = optimizer_of(model)
+    engine, *_ = tessera.initialize(model, optimizer, loss_of)
+    losses = []
+    for inputs, y in batches(family):
+        engine.zero_grad()
+        loss = loss_of(engine(*inputs), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    facts = {
+        "kinds": {type(m).__name__ for m in model.modules() if type(m).__module__ == "tessera.hf.grid"},
+        "optimizer_has_the_model": stepped == {id(p) for p in model.parameters()},
+    }
+    if hasattr(model, "cls"):
+        facts["bias_tied"] = model.cls.predictions.bias is model.cls.predictions.decoder.bias
+    return losses, full_state_dict(engine.model), keys, facts
+
+
+@pytest.mark.parametrize("family", ["bert", "vit"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_an_encoder_trains_as_in_one_process_in_each_grid_mode(pools, family, layout):
+    tensor, mode, depth = LAYOUTS[layout]
+    results = pools.run(tensor, train, family, tensor, mode, depth, timeout=300)
+    check_against_reference(family, results)
+    for *_, facts in results:
+        assert {"GridLinear", "GridNorm", "GridHead"} <= facts["kinds"]
+        assert ("GridEmbedding" in facts["kinds"]) == (family == "bert")
+        assert facts.get("bias_tied", True)
+
+
+@pytest.mark.parametrize("family", ["bert-padded", "bert-classifier", "bert-token-classifier", "bert-base"])
+def test_bert_with_padding_token_types_and_its_other_heads_in_2d(pools, family):
+    check_against_reference(family, pools.run(4, train, family, 4, "2d", 1, timeout=300))
