@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tessera-installed
 
-.PHONY: setup train test test-gpu lint clean
+.PHONY: setup train test test-gpu test-hf-latest lint clean
 
 setup: $(STAMP)
 
@@ -34,5 +34,17 @@ test-gpu: $(STAMP)
 	@$(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: no GPU here: torch.cuda.is_available() is False (torch ' + torch.__version__ + ', CUDA build: ' + str(torch.version.cuda or 'none') + '). The CUDA lane needs a GPU and a CUDA build of torch.')"
 	TESSERA_TEST_DEVICE=cuda:0 $(BIN)/python -m pytest -q --cuda-lane -m cuda tests/cuda
 
+# The tessera.hf policies against the newest transformers release, in an environment of its own
+# (not part of `make test`, which runs the pinned one): a release that breaks a policy fails here.
+HF_VENV ?= .venv-hf-latest
+test-hf-latest:
+	$(PYTHON) -m venv $(HF_VENV)
+	$(HF_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(HF_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(HF_VENV)/bin/python -m pip install --quiet -e '.[test]'
+	$(HF_VENV)/bin/python -m pip install --quiet --upgrade --upgrade-strategy only-if-needed transformers
+	$(HF_VENV)/bin/python -c "import torch, transformers, sys; print('transformers', transformers.__version__); sys.exit(0 if torch.__version__.startswith('2.13.0') else 'torch ' + torch.__version__ + ' replaced 2.13.0')"
+	$(HF_VENV)/bin/python -m pytest -q tests/dist/test_hf_tensor.py tests/dist/test_hf_grid.py tests/dist/test_hf_encoders.py tests/dist/test_hf_encoders_grid.py tests/dist/test_hf_pipeline.py tests/dist/test_hf_sequence.py
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(HF_VENV) runs .pytest_cache .mypy_cache .ruff_cache
