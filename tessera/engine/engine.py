@@ -5,14 +5,20 @@ The engine owns the parts of a training step that the layout changes: gradient a
 gradient clipping, the loss reported back (averaged over the replicas: the data axis, and the
 sequence axis when sequences are split), and, under sequence parallelism, handing the model and
 the loss this rank's tokens of every sequence.
+
+Batches are ``(inputs, targets)`` pairs, or dicts of tensors (:mod:`tessera.engine.batches`:
+the model is called with ``**batch`` and each micro-batch's loss is weighed by the items it
+averages over, so that ignored labels fall between micro-batches and ranks as they may).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
+from functools import partial
 from typing import Any
 
 import torch
@@ -21,9 +27,11 @@ from torch import nn
 from tessera import comm
 from tessera.amp import LossScaler, autocast
 from tessera.context import ParallelContext
+from tessera.engine.batches import loss_items, loss_shifts_labels, output_loss
 from tessera.engine.options import LossScaleOptions, TrainingOptions
-from tessera.errors import TesseraError
+from tessera.errors import NotAvailableError, TesseraError
 from tessera.optim.clip import clip_coefficient
+from tessera.parallel.batches import rows_of
 from tessera.parallel.sequence.tokens import sequence_length_of, take_tokens
 from tessera.parallel.strategy import Strategy
 
@@ -41,9 +49,24 @@ def _to_device(batch: Any, device: torch.device) -> Any:
         return batch.to(device, non_blocking=True)
     if isinstance(batch, list | tuple):
         return type(batch)(_to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return {k: _to_device(v, device) for k, v in batch.items()}
     return batch
+
+
+def _take_step(data_iter: Iterator[Any], micro_batches: int) -> list[Any]:
+    """The next ``micro_batches`` items of ``data_iter``; StopIteration when it ends before."""
+    batches = list(itertools.islice(data_iter, micro_batches))
+    if len(batches) < micro_batches:
+        raise StopIteration(f"the data ended {len(batches)} micro-batch(es) into a step of {micro_batches}")
+    kinds = {isinstance(b, Mapping) for b in batches}
+    if len(kinds) > 1:
+        raise TesseraError("a step's micro-batches must all be dicts or all (inputs, targets) pairs")
+    return batches
+
+
+def _rows(batches: list[Any]) -> int:
+    return sum(rows_of(b) or 0 for b in batches)
 
 
 def _split_batch(batch: Any) -> tuple[Any, Any]:
@@ -87,6 +110,7 @@ class Engine:
         self.micro_step = 0  # micro-steps since the last optimizer step
         self.global_step = 0  # optimizer steps taken or skipped
         self.last_grad_norm: float | None = None
+        self.last_step_rows = 0  # rows (samples) of this rank's micro-batches in the last step
         self.last_step_skipped = False
         #: the learning-rate scheduler given to ``initialize`` (checkpoints save and load it)
         self.lr_scheduler: Any = None
@@ -95,6 +119,13 @@ class Engine:
         self.run_config: Any = None
         self._sequence = ctx.group("sequence") if ctx.size("sequence") > 1 else None
         self._length: int | None = None  # the whole sequence length of the last batch split
+        #: ``fn(batch) -> int64 tensor``: the items the loss of a dict batch averages over (what
+        #: its micro-batch weighs): by default :func:`~tessera.engine.batches.loss_items`, counting
+        #: labels after the causal shift when the model's own loss shifts them. Assign another
+        #: rule for a criterion that averages over something else.
+        self.loss_items: Callable[[Mapping[str, Any]], torch.Tensor] = partial(
+            loss_items, shift=loss_shifts_labels(strategy.module)
+        )
 
     def local_tokens(self, batch: Any, length: int | None = None) -> Any:
         """This rank's tokens of every sequence in ``batch`` under sequence parallelism (the
@@ -234,19 +265,26 @@ class Engine:
         return float(value.item())
 
     def train_batch(self, data_iter: Iterator[Any]) -> float:
-        """One optimizer step over ``gradient_accumulation`` micro-batches of ``(inputs, targets)``.
+        """One optimizer step over ``gradient_accumulation`` micro-batches of ``data_iter``:
+        ``(inputs, targets)`` pairs or dicts of tensors.
 
-        Returns the loss averaged over the micro-batches and the replicas: the loss of
-        the global batch, as one process would compute it. Its reduction starts as soon as the
-        last forward is done and overlaps the backward pass and the optimizer step.
+        Returns the loss averaged over the micro-batches and the replicas: the loss of the global
+        batch, as one process would compute it (for dict batches, the mean over every item the
+        loss counts: :attr:`loss_items`). Its reduction starts as soon as the last forward is done
+        and overlaps the backward pass and the optimizer step. The step's micro-batches are taken
+        first: when ``data_iter`` ends before a whole step, StopIteration is raised and nothing ran.
         """
+        batches = _take_step(data_iter, self.micro_batches_per_step)
+        self.last_step_rows = _rows(batches)
         if self.strategy.scheduled_microbatches is not None:
-            return self._train_scheduled_batch(data_iter, self.strategy.scheduled_microbatches)
+            return self._train_scheduled_batch(batches)
+        if isinstance(batches[0], Mapping):
+            return self._train_dict_batches(batches)
         self.zero_grad()
         total = torch.zeros((), device=self.ctx.device)
         pending = None
-        for micro in range(self.accumulation):
-            inputs, targets = self.local_tokens(_split_batch(_to_device(next(data_iter), self.ctx.device)))
+        for micro, batch in enumerate(batches):
+            inputs, targets = self.local_tokens(_split_batch(_to_device(batch, self.ctx.device)))
             loss = self._loss(self._forward(inputs), targets)
             total = total + loss.detach().float()
             if micro == self.accumulation - 1:
@@ -257,13 +295,57 @@ class Engine:
         assert pending is not None
         return float(pending.wait()) / self.ctx.replicas.size
 
-    def _train_scheduled_batch(self, data_iter: Iterator[Any], microbatches: int) -> float:
-        """One optimizer step through the strategy's schedule over ``microbatches`` items of
-        ``data_iter``; the gradients then meet over the data axis through the strategy."""
+    def _train_dict_batches(self, batches: list[Mapping[str, Any]]) -> float:
+        """One step over dict micro-batches: micro-batch ``i`` of ``n_i`` counted items, of ``N``
+        in the global batch, adds ``loss_i * n_i / N`` (its backward scaled by the accumulation
+        steps and replicas that the engine and the gradient reduction divide by again)."""
+        self.zero_grad()
+        local = [self.local_tokens(_to_device(b, self.ctx.device)) for b in batches]
+        counts = torch.stack([self.loss_items(b).to(self.ctx.device) for b in local])
+        total = self._counted_over_replicas(counts)
+        scale = self.accumulation * self.ctx.replicas.size / total
+        weighted = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        pending = None
+        for micro, (batch, count) in enumerate(zip(local, counts, strict=True)):
+            loss = self.dict_loss(self._forward(**batch), batch)
+            weighted = weighted + _weigh(loss.detach().double(), count, 1.0)
+            if micro == self.accumulation - 1:
+                pending = comm.all_reduce_async(weighted.reshape(1).clone(), self.ctx.replicas)
+            self.backward(_weigh(loss.float(), count, scale))
+            self.step()
+        assert pending is not None
+        return float(pending.wait()) / total
+
+    def _counted_over_replicas(self, counts: torch.Tensor) -> int:
+        """The sum of ``counts`` over the micro-batches and the replicas (a collective)."""
+        total = counts.sum().reshape(1).clone()
+        comm.all_reduce(total, self.ctx.replicas)
+        n = int(total.item())
+        if n == 0:
+            raise TesseraError(
+                f"step {self.global_step}: the global batch has no item for its loss to average over "
+                "(every label is -100)"
+            )
+        return n
+
+    def dict_loss(self, output: Any, batch: Mapping[str, Any]) -> torch.Tensor:
+        """The loss of a dict batch: ``criterion(output, batch)`` when initialize got a criterion,
+        else the model's own (``output.loss`` or ``output["loss"]``)."""
+        if self._criterion is not None:
+            return self._criterion(output, batch)
+        return output_loss(output)
+
+    def _train_scheduled_batch(self, batches: list[Any]) -> float:
+        """One optimizer step through the strategy's schedule over ``batches`` (one per
+        micro-batch); the gradients then meet over the data axis through the strategy."""
+        if isinstance(batches[0], Mapping):
+            raise NotAvailableError(
+                "dict batches with pipeline stages are not available yet (the last stage's loss takes each "
+                "micro-batch's targets, averaged per micro-batch): give (inputs, targets) pairs, whose inputs "
+                "may be a dict (input_ids, attention_mask), or set parallel.pipeline.size=1"
+            )
         self.strategy.zero_grad()
-        batches = [
-            self.local_tokens(_split_batch(_to_device(next(data_iter), self.ctx.device))) for _ in range(microbatches)
-        ]
+        batches = [self.local_tokens(_split_batch(_to_device(b, self.ctx.device))) for b in batches]
         with autocast(self.precision, self.ctx.device), self._own_tokens_rng():
             loss = self.strategy.run_schedule(batches, self._loss)
         if not math.isfinite(loss):
@@ -273,9 +355,17 @@ class Engine:
 
     @torch.no_grad()
     def eval_batch(self, data_iter: Iterator[Any]) -> tuple[float, Any]:
-        """Loss (averaged over the replicas) and outputs of one batch (this rank's tokens of them
-        under sequence parallelism)."""
-        inputs, targets = self.local_tokens(_split_batch(_to_device(next(data_iter), self.ctx.device)))
+        """Loss (averaged over the replicas; for a dict batch, over the items its loss counts)
+        and outputs of one batch (this rank's tokens of them under sequence parallelism)."""
+        batch = _to_device(next(data_iter), self.ctx.device)
+        if isinstance(batch, Mapping):
+            batch = self.local_tokens(batch)
+            outputs = self._forward(**batch)
+            count = self.loss_items(batch).to(self.ctx.device)
+            both = torch.stack([_weigh(self.dict_loss(outputs, batch).double(), count, 1.0), count.double()])
+            comm.all_reduce(both, self.ctx.replicas)
+            return float(both[0] / both[1]), outputs
+        inputs, targets = self.local_tokens(_split_batch(batch))
         outputs = self._forward(inputs)
         loss = self._loss(outputs, targets)
         return self.mean_over_data(loss), outputs
@@ -294,3 +384,9 @@ class Engine:
         self.micro_step = 0
         if self.scaler is not None and state.get("scaler") is not None:
             self.scaler.load_state_dict(state["scaler"])
+
+
+def _weigh(loss: torch.Tensor, count: torch.Tensor, scale: float) -> torch.Tensor:
+    """``loss * count * scale``, and 0 where ``count`` is 0 (a mean over no items is NaN; the
+    where gives its backward zeros, not NaN)."""
+    return torch.where(count > 0, loss * (count.to(loss.dtype) * scale), torch.zeros_like(loss))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TextIO
 
@@ -57,7 +57,8 @@ class LRSchedulerHook(Hook):
 
 class ThroughputHook(Hook):
     """Adds ``step_time_s``, ``samples_per_s`` and (given ``tokens_per_sample``) ``tokens_per_s``
-    for the global batch: per-rank micro-batch x data-parallel ranks x micro-batches per step."""
+    for the global batch: per-rank micro-batch x data-parallel ranks x micro-batches per step (a
+    loader without a ``batch_size``: the rows of this rank's step x data-parallel ranks)."""
 
     priority = 20
 
@@ -71,8 +72,11 @@ class ThroughputHook(Hook):
     def after_step(self, trainer: Trainer) -> None:
         elapsed = time.perf_counter() - self._start
         loader = trainer.train_dataloader
-        micro = loader.batch_size if loader is not None and loader.batch_size else 0
-        samples = micro * trainer.engine.ctx.size("data") * trainer.engine.micro_batches_per_step
+        engine = trainer.engine
+        if loader is not None and loader.batch_size:
+            samples = loader.batch_size * engine.ctx.size("data") * engine.micro_batches_per_step
+        else:  # batches of their own sizes (a batch sampler's): the rows this rank's step had, times the data ranks
+            samples = engine.last_step_rows * engine.ctx.size("data")
         trainer.metrics["step_time_s"] = elapsed
         trainer.metrics["samples_per_s"] = samples / elapsed if elapsed > 0 else float("nan")
         if self.tokens_per_sample is not None:
@@ -107,7 +111,9 @@ Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | float]
 class EvalHook(Hook):
     """Every ``every`` steps (and at the end) computes ``eval_loss`` and each named metric
     ``fn(outputs, targets)`` over at most ``max_batches`` batches of the test loader, averaged
-    over batches and data-parallel ranks."""
+    over batches and data-parallel ranks. Dict batches: the model is called with ``**batch``,
+    the metrics get ``fn(outputs, batch)``, and ``eval_loss`` is the mean over every item the
+    batches' losses count (``engine.loss_items``), on every rank."""
 
     priority = 40
 
@@ -133,13 +139,24 @@ class EvalHook(Hook):
         engine.eval()
         sums: dict[str, float] = {"eval_loss": 0.0, **{name: 0.0 for name in self.metric_fns}}
         batches = 0
+        dicts, items = False, 0.0  # dict batches, and the items their losses counted (each weighs its loss)
         with torch.no_grad():
-            for i, (inputs, targets) in enumerate(loader):
+            for i, batch in enumerate(loader):
                 if self.max_batches is not None and i >= self.max_batches:
                     break
-                inputs, targets = inputs.to(engine.ctx.device), targets.to(engine.ctx.device)
-                outputs = engine(inputs)
-                sums["eval_loss"] += float(engine.criterion(outputs, targets))
+                if isinstance(batch, Mapping):
+                    batch = engine.local_tokens({k: _on(v, engine.ctx.device) for k, v in batch.items()})
+                    outputs = engine(**batch)
+                    count = float(engine.loss_items(batch))
+                    if count:  # a mean over no items is NaN
+                        sums["eval_loss"] += float(engine.dict_loss(outputs, batch)) * count
+                    dicts, items = True, items + count
+                    targets = batch
+                else:
+                    inputs, targets = batch
+                    inputs, targets = inputs.to(engine.ctx.device), targets.to(engine.ctx.device)
+                    outputs = engine(inputs)
+                    sums["eval_loss"] += float(engine.criterion(outputs, targets))
                 for name, fn in self.metric_fns.items():
                     sums[name] += float(fn(outputs, targets))
                 batches += 1
@@ -147,6 +164,9 @@ class EvalHook(Hook):
         if batches == 0:
             return {}
         self.last = {name: engine.mean_over_data(total / batches) for name, total in sums.items()}
+        if dicts:  # the mean over every item of every rank's batches, as one process would weigh them
+            counted = engine.mean_over_data(items)
+            self.last["eval_loss"] = engine.mean_over_data(sums["eval_loss"]) / counted if counted else float("nan")
         return self.last
 
     def after_step(self, trainer: Trainer) -> None:
@@ -181,6 +201,10 @@ class CheckpointHook(Hook):
 
     def after_fit(self, trainer: Trainer) -> None:
         self._save(trainer, self.folder / "model.safetensors")
+
+
+def _on(value: Any, device: torch.device) -> Any:
+    return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
 def _fmt(value: Any) -> str:

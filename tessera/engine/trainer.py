@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from tessera import checkpoint
 from tessera.checkpoint import CheckpointError
@@ -29,6 +30,12 @@ class Trainer:
     ``"auto"`` from the newest complete checkpoint in ``checkpoint_dir`` if there is one (else
     from the start: the setting for jobs restarted by ``tessera run --max-restarts``),
     ``"latest"`` likewise but one must exist, or a checkpoint folder's path.
+
+    A loader without a length (an iterable dataset's, a stream) has epochs that end when its
+    data does: ``fit(steps=...)`` runs that many steps over as many epochs as it takes, and
+    ``fit(epochs=...)`` that many passes. Over an iterable dataset the trainer takes each step's
+    micro-batches before the step: a last step the data cannot fill is left out, on every rank
+    alike (the loaders ``initialize`` returns give every data rank as many batches).
     """
 
     def __init__(
@@ -72,8 +79,12 @@ class Trainer:
         for hook in self.hooks:
             getattr(hook, event)(self, *args)
 
-    def steps_per_epoch(self, loader: DataLoader) -> int:
-        return len(loader) // self.engine.micro_batches_per_step
+    def steps_per_epoch(self, loader: DataLoader) -> int | None:
+        """Optimizer steps in one pass over ``loader``; None when it has no length (a stream)."""
+        try:
+            return len(loader) // self.engine.micro_batches_per_step
+        except TypeError:
+            return None
 
     def fit(
         self,
@@ -88,56 +99,91 @@ class Trainer:
         if epochs is None and steps is None:
             raise ValueError("fit() needs epochs= or steps=")
         per_epoch = self.steps_per_epoch(train_dataloader)
-        if per_epoch < 1:
+        if per_epoch is not None and per_epoch < 1:
             raise ValueError(
                 f"the data loader gives {len(train_dataloader)} micro-batches per rank, fewer than one optimizer "
                 f"step of {self.engine.micro_batches_per_step} micro-batches"
             )
-        if steps is None:
+        if per_epoch is not None and steps is None:
             assert epochs is not None
             steps = epochs * per_epoch
-        if epochs is None:
+        if per_epoch is not None and epochs is None:
+            assert steps is not None
             epochs = -(-steps // per_epoch)
         self.train_dataloader, self.test_dataloader, self.max_steps = train_dataloader, test_dataloader, steps
+        # an iterable dataset's loader may end before its length says (workers' short batches left out)
+        lookahead = per_epoch is None or isinstance(train_dataloader.dataset, IterableDataset)
         first_epoch, done_in_epoch = self._resume(train_dataloader)
         self.engine.train()
         self._call("before_fit")
-        for epoch in range(first_epoch, epochs):
+        epoch = first_epoch
+        while epochs is None or epoch < epochs:
             self.epoch = epoch
             resuming = epoch == first_epoch and done_in_epoch > 0
-            set_epoch = getattr(getattr(train_dataloader, "sampler", None), "set_epoch", None)
-            if set_epoch is not None and not resuming:
-                set_epoch(epoch)  # a new shuffle per epoch, the same on every rank
+            if not resuming:
+                _set_epoch(train_dataloader, epoch)  # a new shuffle per epoch, the same on every rank
             self._call("before_epoch")
             data_iter = iter(train_dataloader)  # a resumed loader starts where the checkpoint was
             self._step_in_epoch = done_in_epoch if resuming else 0
-            for _ in range(per_epoch - self._step_in_epoch):
-                if self.step >= steps or self.stop_requested:
-                    break
-                self.metrics = {"step": self.step + 1, "epoch": epoch}
-                self._call("before_step")
-                self.metrics["loss"] = self.engine.train_batch(data_iter)
-                self.metrics["skipped"] = self.engine.last_step_skipped
-                self.step += 1
-                self._step_in_epoch += 1
-                self._call("after_step")
-                self.history.append(dict(self.metrics))
-                if self.checkpoint_every and self.step % self.checkpoint_every == 0:
-                    self.save_checkpoint()
+            taken = self._run_epoch(data_iter, per_epoch, steps, lookahead)
             self._call("after_epoch")
-            if self.step >= steps or self.stop_requested:
+            if self._finished(steps):
                 break
+            if taken == 0 and not resuming:
+                raise ValueError(
+                    f"epoch {epoch} of the data loader gave no whole optimizer step of "
+                    f"{self.engine.micro_batches_per_step} micro-batches"
+                )
+            epoch += 1
         if self.checkpoint_every and self.step % self.checkpoint_every != 0:
             self.save_checkpoint()  # the end of the run, too
         checkpoint.wait_for_saves()
         self._call("after_fit")
         return self.history
 
+    def _finished(self, steps: int | None) -> bool:
+        return (steps is not None and self.step >= steps) or self.stop_requested
+
+    def _run_epoch(self, data_iter: Iterator[Any], per_epoch: int | None, steps: int | None, lookahead: bool) -> int:
+        """The steps of one epoch (the rest of it, when resumed); returns how many ran."""
+        taken = 0
+        while per_epoch is None or self._step_in_epoch < per_epoch:
+            if self._finished(steps):
+                break
+            step_iter = self._step_batches(data_iter) if lookahead else data_iter
+            if step_iter is None:
+                break  # the data ended
+            self.metrics = {"step": self.step + 1, "epoch": self.epoch}
+            self._call("before_step")
+            self.metrics["loss"] = self.engine.train_batch(step_iter)
+            self.metrics["skipped"] = self.engine.last_step_skipped
+            self.step += 1
+            self._step_in_epoch += 1
+            taken += 1
+            self._call("after_step")
+            self.history.append(dict(self.metrics))
+            if self.checkpoint_every and self.step % self.checkpoint_every == 0:
+                self.save_checkpoint()
+        return taken
+
+    def _step_batches(self, data_iter: Iterator[Any]) -> Iterator[Any] | None:
+        """The next step's micro-batches, or None when the data ends before a whole step."""
+        wanted = self.engine.micro_batches_per_step
+        batches = list(itertools.islice(data_iter, wanted))
+        return iter(batches) if len(batches) == wanted else None
+
     # ---- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
         """Save the whole run at this step to ``checkpoint_dir/step-NNNNNNNN`` (collective)."""
         if self.checkpoint_dir is None:
             raise ValueError("save_checkpoint needs the Trainer's checkpoint_dir=")
+        loader = self.train_dataloader
+        if loader is not None and not callable(getattr(loader, "state_dict", None)):
+            raise CheckpointError(
+                f"the training data loader ({type(loader).__name__}) cannot say where it is in its epoch (it has no "
+                "state_dict), so a resumed run would not continue its data where this one stopped: train on the "
+                "loader tessera.initialize returns, or give yours state_dict() and load_state_dict()"
+            )
         path = checkpoint.step_folder(self.checkpoint_dir, self.step)
         extra = {"trainer": {"step": self.step, "epoch": self.epoch, "step_in_epoch": self._step_in_epoch}}
         handle = checkpoint.save(
@@ -172,3 +218,12 @@ class Trainer:
         if self.engine.ctx.rank == 0:
             print(f"tessera: resumed from {path} at step {self.step}", file=sys.stderr, flush=True)
         return self.epoch, int(state.get("step_in_epoch", 0))
+
+
+def _set_epoch(loader: DataLoader, epoch: int) -> None:
+    """Start ``epoch`` of ``loader``: its ``set_epoch``, else its sampler's, if either has one."""
+    set_epoch = getattr(loader, "set_epoch", None)
+    if not callable(set_epoch):
+        set_epoch = getattr(getattr(loader, "sampler", None), "set_epoch", None)
+    if callable(set_epoch):
+        set_epoch(epoch)
