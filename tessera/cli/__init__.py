@@ -74,6 +74,7 @@ BENCH_TARGETS: dict[str, str] = {  # name -> "module:function"; each strategy ad
     "gemini": "tessera.bench.gemini:main",
     "sp": "tessera.bench.sp:main",
     "recompute": "tessera.bench.recompute:main",
+    "hf": "tessera.bench.hf:main",
 }
 
 # name -> what it measures, how long it takes on 2 CPU cores, what it needs
@@ -96,6 +97,9 @@ BENCH_HELP: dict[str, str] = {
     "torch context_parallel, 2 ranks (about 10 min)",
     "recompute": "activation checkpointing (full, selective) of GPT small: bytes kept for the backward and step "
     "time against none, 1 process (about 1 min)",
+    "hf": "an unmodified transformers LLaMA under 1D tp4 vs torch parallelize_module and DeepSpeed AutoTP, "
+    "4 ranks: step time, tokens/s and the loss trajectories (about 1.5 min); needs the hf extra, the DeepSpeed rows "
+    "the bench extra",
 }
 
 
