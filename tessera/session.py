@@ -18,6 +18,7 @@ from tessera.engine import Engine
 from tessera.engine import initialize as initialize_with
 from tessera.hf import prepare as prepare_hf
 from tessera.init.materialise import Source
+from tessera.init.recording import continue_recording
 
 _config: Config | None = None
 
@@ -69,7 +70,8 @@ def initialize(
             raise ValueError("no config for this run; start it with tessera.launch(...) or pass config=")
         config = _config
     require_available(config)
-    prepare_hf(model, optimizer, ctx)  # a transformers model under tensor parallelism: its policy
+    with continue_recording(model):  # a deferred model's blocks are made when it is materialised
+        prepare_hf(model, optimizer, ctx)  # a transformers model under tensor parallelism: its policy
     engine, train_dataloader, test_dataloader, lr_scheduler = initialize_with(
         model,
         optimizer,

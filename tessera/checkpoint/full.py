@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -59,19 +61,56 @@ def full_state_dict(source: nn.Module | Engine) -> dict[str, torch.Tensor]:
     dropped, a pipeline stage's parameter is sent from its stage, released storage is gathered
     first. Every rank returns the same dict.
     """
+    with streamed_full_state(source) as stream:
+        return dict(stream)
+
+
+@dataclass(frozen=True)
+class FullEntry:
+    """One tensor of a full state: its single-process ``key``, full ``shape`` and ``dtype``."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class FullStateStream:
+    """:func:`full_state_dict`'s tensors one at a time: ``module`` (the user's), ``entries``
+    (every key with its full shape and dtype, in the order iteration gives them) and, when
+    iterated, ``(key, full CPU tensor)`` pairs, each gathered as it is reached (collective:
+    every rank iterates in step; tied parameters are gathered once)."""
+
+    def __init__(self, module: nn.Module, named: dict[str, torch.Tensor], values: dict[int, torch.Tensor]) -> None:
+        self.module, self._named, self._values = module, named, values
+        self.entries = [
+            FullEntry(key, placement_of(t).full_shape(t), values.get(id(t), t).dtype) for key, t in named.items()
+        ]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        counts = Counter(id(t) for t in self._named.values())
+        kept: dict[int, torch.Tensor] = {}  # tied parameters, gathered once
+        for key, tensor in self._named.items():
+            full = kept.get(id(tensor))
+            if full is None:
+                value = self._values.get(id(tensor), tensor)
+                full = _full_tensor(value, placement_of(tensor)).to("cpu", copy=True)
+                if counts[id(tensor)] > 1:
+                    kept[id(tensor)] = full
+            yield key, full
+
+
+@contextmanager
+def streamed_full_state(source: nn.Module | Engine) -> Iterator[FullStateStream]:
+    """:func:`full_state_dict` one tensor at a time, for writers that keep no more than one
+    full tensor (collective; iterate the stream inside the block). Weights the strategy keeps
+    apart (fp32 masters) are gathered on entry, and released storage (ZeRO-3's chunks) stays
+    gathered for the block, as :func:`full_state_dict` does."""
     module, strategy = _module_and_strategy(source)
     named = _named_tensors(module)
     weights = strategy.full_precision_weights() if strategy is not None else None
     values = {id(p): value for p, value in weights or ()}
-    out: dict[str, torch.Tensor] = {}
-    gathered: dict[int, torch.Tensor] = {}  # tied parameters are gathered once
     with _storage_gathered(t for t in named.values() if id(t) not in values):
-        for key, tensor in named.items():
-            if id(tensor) not in gathered:
-                value = values.get(id(tensor), tensor)
-                gathered[id(tensor)] = _full_tensor(value, placement_of(tensor)).to("cpu", copy=True)
-            out[key] = gathered[id(tensor)]
-    return out
+        yield FullStateStream(module, named, values)
 
 
 @contextmanager

@@ -9,5 +9,17 @@ parallel, ZeRO, Gemini); :func:`register_policy` adds one. ``transformers`` is a
 
 from tessera.hf.apply import is_hf_model, policy_for, prepare, registered
 from tessera.hf.policy import Policy, register_policy
+from tessera.hf.weights import PretrainedWeights, from_pretrained, load_pretrained, save_pretrained
 
-__all__ = ["Policy", "is_hf_model", "policy_for", "prepare", "register_policy", "registered"]
+__all__ = [
+    "Policy",
+    "PretrainedWeights",
+    "from_pretrained",
+    "is_hf_model",
+    "load_pretrained",
+    "policy_for",
+    "prepare",
+    "register_policy",
+    "registered",
+    "save_pretrained",
+]

@@ -11,7 +11,11 @@ of the sources, one tensor at a time:
 - a checkpoint folder (``tessera.checkpoint.save``'s format) or a ``.safetensors`` file with the
   full state under single-process keys: read tensor by tensor, each rank only its slices (a
   file's tensor is read whole, one at a time);
-- ``init_fn(name, shape, dtype) -> tensor``: the full value of each tensor, one at a time.
+- ``init_fn(name, shape, dtype) -> tensor``: the full value of each tensor, one at a time;
+- a :class:`ValueSource`: an object that writes each tensor's values for the views asked
+  (a Hugging Face folder read slice by slice: ``tessera.hf.weights``). A model whose
+  recording names a source (``Recording.values``: a loader built it) is filled from that
+  source when ``init`` is ``"random"``.
 
 Buffers and tensors a model keeps as plain attributes (a causal mask) are made whole on every
 rank; they are not in checkpoints when not persistent, so they always come from the replay (or
@@ -23,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -38,7 +42,24 @@ from tessera.memory.report import trim_heap
 from tessera.parallel.strategy import view_of
 
 InitFn = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
-Source = str | Path | InitFn
+
+
+@runtime_checkable
+class ValueSource(Protocol):
+    """Values of a model's tensors read only where a rank needs them."""
+
+    def holds(self, key: str) -> bool:
+        """Whether the source has the tensor of state-dict key ``key`` (one it lacks is made by
+        a deferred model's recorded construction; a model built normally keeps its value)."""
+        ...
+
+    def fill(self, key: str, targets: list[tuple[torch.Tensor, View]]) -> None:
+        """Write the values of tensor ``key`` into each target: a tensor and its view in full
+        coordinates (a tensor-parallel block, a ZeRO piece of one, or the whole)."""
+        ...
+
+
+Source = str | Path | InitFn | ValueSource
 
 
 @dataclass(slots=True)
@@ -105,6 +126,8 @@ def materialise(strategy: Any, wants: list[Want], rec: Recording | None, source:
     """Fill what ``strategy`` holds of the model, and the module's deferred buffers, from
     ``source`` (see the module docstring); then let the strategy's derived copies follow."""
     allocate_module(strategy.module, device, strategy.holds)
+    if rec is not None and rec.values is not None and isinstance(source, str) and source == "random":
+        source = rec.values  # a loader built the model and named its values
     if rec is not None:
         rec.drop_lookup()  # the strategy is built: its memory goes to the replay's bookkeeping
     by_key = {w.key: w for w in wants}
@@ -131,7 +154,14 @@ def materialise(strategy: Any, wants: list[Want], rec: Recording | None, source:
 def _fill(strategy: Any, wants: list[Want], rec: Recording | None, source: Source, consume: bool) -> None:
     """Fill the targets of ``wants`` from ``source`` (``consume``: the replay may use up the
     recording: no group follows)."""
-    if callable(source):
+    if isinstance(source, ValueSource):
+        lacking = [w for w in wants if not source.holds(w.key)]  # made by the construction, or kept
+        for want in wants:
+            if source.holds(want.key):
+                source.fill(want.key, want.targets)
+        if lacking and rec is not None:
+            _fill_from_replay(lacking, rec, consume)
+    elif callable(source):
         _fill_from_fn(wants, source)
     elif source == "random":
         assert rec is not None

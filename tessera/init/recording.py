@@ -16,6 +16,7 @@ during the record, and ``initialize`` refuses the recording, saying where the re
 from __future__ import annotations
 
 import contextlib
+import itertools
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from tessera.errors import TesseraError
 
-__all__ = ["DeferredInitError", "Op", "Recording", "Ref", "deferred_init", "recording_of"]
+__all__ = ["DeferredInitError", "Op", "Recording", "Ref", "continue_recording", "deferred_init", "recording_of"]
 
 
 class DeferredInitError(TesseraError, RuntimeError):
@@ -99,6 +100,7 @@ class Recording:
         self.exit_state = self.rng_state  # the default generator's state when the block ended
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
         self.problems: list[str] = []
+        self.values: Any = None  # where initialize takes the values from when given init="random"
         self.nbytes: dict[int, int] = {}  # sid -> bytes of its storage
         self._sids: dict[int, int] = {}  # storage address -> sid
         self._storages: list[Any] = []  # kept alive, so that no address is reused while recording
@@ -112,7 +114,7 @@ class Recording:
         address = storage._cdata
         new = address not in self._sids
         if new:
-            self._sids[address] = len(self._sids)
+            self._sids[address] = len(self.nbytes)  # a new id even after settle() forgot some
             self._storages.append(storage)
             self.nbytes[self._sids[address]] = storage.nbytes()
         key = (self._sids[address], t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
@@ -329,6 +331,30 @@ def deferred_init() -> Iterator[Recording]:
     construction would have given under the same seed. Yields the :class:`Recording`."""
     rec = Recording()
     _recordings.append(rec)
+    try:
+        with _recording_into(rec):
+            yield rec
+    finally:
+        rec.exit_state = torch.get_rng_state()
+
+
+@contextlib.contextmanager
+def continue_recording(model: torch.nn.Module) -> Iterator[Recording | None]:
+    """Record what is done to the deferred ``model`` after its construction (a tensor-parallel
+    policy cutting its weights into blocks, say) into the recording that built it, so that the
+    new tensors are made like the others when the model is materialised. Yields that recording;
+    for a model with no meta tensor nothing is recorded and it yields None."""
+    rec = recording_of(itertools.chain(model.parameters(), model.buffers()))
+    if rec is None:
+        yield None
+        return
+    with _recording_into(rec):
+        yield rec
+
+
+@contextlib.contextmanager
+def _recording_into(rec: Recording) -> Iterator[Recording]:
+    """Tensors made on the meta device and every operation on them recorded into ``rec``."""
     patched = [(torch.nn.init, name, _opaque) for name in _OPAQUE_INIT]
     patched += [(module, name, _seeding) for module, name in _SEEDING]
     originals = [(module, name, getattr(module, name)) for module, name, _ in patched]
@@ -340,5 +366,4 @@ def deferred_init() -> Iterator[Recording]:
     finally:
         for module, name, original in originals:
             setattr(module, name, original)
-        rec.exit_state = torch.get_rng_state()
         rec.settle()
