@@ -27,9 +27,12 @@ Step time: the sides are built in one rank pool and run in alternating blocks of
 then CBA; :func:`tessera.bench.timing.alternate`), each block timed between barriers with the
 slowest rank's time; the value is the median over blocks of the time per step.
 ``tokens_per_s`` is ``batch * seq`` over that median (the tensor group trains one batch a step).
+``collectives_per_step``: the process-group collectives (all-reduce, all-gather, ...) one rank
+runs in a training step, counted by the profiler in one more block of steps after the timed
+ones (whatever issues them: tessera.comm, DTensor, DeepSpeed's comm).
 
-Every side records its loss at every step (a warm-up step, then the timed ones, each side on the
-same sequence of batches), and the run checks that the trajectories agree: the first step
+Every side records its loss at every step (a warm-up step, the timed ones and the counted ones,
+each side on the same sequence of batches), and the run checks that the trajectories agree: the first step
 within 1e-4 relative (same weights, same batch), every step within 1e-3. A side that computes
 something else fails the run, since its time would mean nothing. The ``loss_first`` and
 ``loss_last`` rows record the agreement.
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import re
 import statistics
 import sys
 from collections.abc import Callable
@@ -224,7 +228,21 @@ def _rank_body(w: Workload, blocks: int, steps: int, with_deepspeed: bool) -> di
         x, y = data[0]
         losses[label].append(fn(x, y))
     times = alternate({label: block(label) for label in step_fns}, blocks, steps, group)
-    return {"times": times, "losses": losses, "errors": errors}
+    collectives = {label: collectives_in(block(label)) / steps for label in step_fns}  # untimed
+    return {"times": times, "losses": losses, "errors": errors, "collectives": collectives}
+
+
+_COLLECTIVE = re.compile(r"^c10d::_?(allreduce|allgather|all_gather|reduce_scatter|broadcast|alltoall)")
+
+
+def collectives_in(fn: Callable[[], None]) -> int:
+    """How many collectives this rank's process group runs during ``fn()`` (the c10d ops the
+    profiler sees, whoever calls them: tessera.comm, DTensor, DeepSpeed)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(event.count for event in prof.key_averages() if _COLLECTIVE.match(event.key))
 
 
 def check_losses(losses: dict[str, list[float]]) -> dict[str, float]:
@@ -260,6 +278,8 @@ def rows_of(w: Workload, result: dict[str, Any]) -> list[Row]:
         theirs = statistics.median(times[label])
         rows.append(Row(w.tag, "step_time_s", ours, label, theirs))
         rows.append(Row(w.tag, "tokens_per_s", tokens / ours, label, tokens / theirs))
+        collectives = result["collectives"]
+        rows.append(Row(w.tag, "collectives_per_step", collectives[TESSERA], label, collectives[label]))
         rows.append(Row(w.tag, "loss_first", losses[TESSERA][0], label, losses[label][0]))
         rows.append(Row(w.tag, "loss_last", losses[TESSERA][-1], label, losses[label][-1]))
     return rows
@@ -300,7 +320,7 @@ def main(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {}
     rows = run(w, with_deepspeed=with_deepspeed, report=report)
     print_rows(rows)
-    print("loss trajectories (warm-up step, then the timed steps; each side on the same batches):")
+    print("loss trajectories (a warm-up step, the timed steps, the counted ones; each side on the same batches):")
     for label, values in report["losses"].items():
         shown = ", ".join(f"{v:.6f}" for v in values[:3]) + f", ... {values[-1]:.6f} ({len(values)} steps)"
         extra = "" if label == TESSERA else f"; largest relative difference from tessera {report['worst'][label]:.2e}"

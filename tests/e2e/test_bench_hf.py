@@ -14,17 +14,21 @@ def test_bench_hf_rows(tmp_path):
     w = hf.Workload(hidden=64, layers=2, intermediate=128, seq=16, batch=2, ranks=2, distinct_batches=2)
     report: dict = {}
     rows = hf.run(w, blocks=2, steps=1, report=report)
-    data = check(rows, tmp_path, {"step_time_s", "tokens_per_s", "loss_first", "loss_last"})
+    data = check(rows, tmp_path, {"step_time_s", "tokens_per_s", "collectives_per_step", "loss_first", "loss_last"})
     anchors = {row["anchor"] for row in data}
     ds = hf.deepspeed_available()  # CI does not install the bench extra: then its rows are absent
     assert anchors == ({hf.TORCH, hf.DEEPSPEED} if ds else {hf.TORCH}), (anchors, report["errors"])
     assert {row["name"] for row in data} == {"hf llama h64 l2 v1000 tp2 b2x16"}
-    # a warm-up step and two timed ones, the same losses on every side
-    assert all(len(losses) == 3 for losses in report["losses"].values())
+    # a warm-up step, two timed ones and a counted one, the same losses on every side
+    assert all(len(losses) == 4 for losses in report["losses"].values())
     for row in data:
         if row["metric"].startswith("loss"):
             assert abs(row["ratio"] - 1.0) <= 1e-5, row
     assert report["losses"][hf.TESSERA][-1] < report["losses"][hf.TESSERA][0]  # it trains
+    # per layer one all-reduce forward and one backward per block (attention, MLP); the embedding's
+    # forward, the head's input gradient and the logits' all-gather
+    counted = {row["anchor"]: row["value"] for row in data if row["metric"] == "collectives_per_step"}
+    assert set(counted.values()) == {4 * w.layers + 3}, counted
 
 
 def test_bench_hf_refuses_sides_that_train_something_else():
