@@ -26,7 +26,7 @@ from torch import nn
 
 from tessera.context import ParallelContext
 from tessera.hf.decoder import Block, Layout, has_submodule
-from tessera.hf.plans import MODES, apply_layout, heads_rule
+from tessera.hf.plans import MODES, apply_layout, cross_attention_rule, heads_rule
 from tessera.hf.policy import Policy, register_policy
 
 __all__ = ["CLASSIFIER_LAYOUT", "LAYOUT", "POLICY", "layout_of"]
@@ -71,9 +71,7 @@ def layout_of(model: Any) -> Layout:
 def check(model: Any, ctx: ParallelContext) -> list[str]:
     config = model.config
     broken = heads_rule(ctx, num_attention_heads=config.num_attention_heads)
-    if getattr(config, "add_cross_attention", False):
-        broken.append("cross-attention (add_cross_attention=True) has no tensor-parallel policy")
-    return broken
+    return broken + cross_attention_rule(config)
 
 
 def apply(model: Any, ctx: ParallelContext) -> dict[int, nn.Parameter]:

@@ -16,7 +16,7 @@ from torch import nn
 
 from tessera.context import ParallelContext
 from tessera.hf.decoder import Block, Layout
-from tessera.hf.plans import MODES, apply_layout, heads_rule
+from tessera.hf.plans import MODES, apply_layout, cross_attention_rule, heads_rule
 from tessera.hf.policy import Policy, register_policy
 from tessera.hf.stages import pipeline_layers
 
@@ -42,9 +42,7 @@ LAYOUT = Layout(
 def check(model: Any, ctx: ParallelContext) -> list[str]:
     config = model.config
     broken = heads_rule(ctx, n_head=config.n_head)
-    if getattr(config, "add_cross_attention", False):
-        broken.append("cross-attention (add_cross_attention=True) has no tensor-parallel policy")
-    return broken
+    return broken + cross_attention_rule(config)
 
 
 def apply(model: Any, ctx: ParallelContext) -> dict[int, nn.Parameter]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -40,10 +41,11 @@ from tessera.comm import AxisGroup
 from tessera.context import ParallelContext
 from tessera.hf.decoder import Layout, has_submodule
 from tessera.hf.layers import is_conv1d
-from tessera.hf.policy import replace_module, retie
+from tessera.hf.policy import retie, swap
 from tessera.parallel.tensor.common import (
     ShardSpec,
     all_reduce_forward_backward,
+    pad_dim,
     shard_parameter,
     spec_of,
     sum_grad_over,
@@ -97,10 +99,8 @@ class Space:
 
     def batch_block(self, x: torch.Tensor, pad_value: float = 0) -> torch.Tensor:
         """This rank's rows of ``x [B, ...]`` (the same on every rank), padded with ``pad_value``."""
-        per = -(-x.shape[0] // self.batch_parts)
-        extra = per * self.batch_parts - x.shape[0]
-        if extra:
-            x = torch.cat([x, x.new_full((extra, *x.shape[1:]), pad_value)])
+        x = pad_dim(x, 0, self.batch_parts, pad_value)
+        per = x.shape[0] // self.batch_parts
         return x.narrow(0, self._index(self.batch) * per, per)
 
     def whole_batch(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,10 +111,8 @@ class Space:
 
     def hidden_block(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's block of the last dimension of ``x`` (differentiable; zero-padded)."""
-        per = -(-x.shape[-1] // self.hidden_parts)
-        extra = per * self.hidden_parts - x.shape[-1]
-        if extra:
-            x = torch.nn.functional.pad(x, (0, extra))
+        x = pad_dim(x, -1, self.hidden_parts)
+        per = x.shape[-1] // self.hidden_parts
         return x.narrow(-1, self._index(self.hidden) * per, per)
 
 
@@ -383,33 +381,25 @@ def apply_grid(model: Any, ctx: ParallelContext, layout: Layout) -> dict[int, nn
     embedding = prefix + layout.embedding if layout.embedding is not None else None
     replaced: dict[int, nn.Parameter] = {}
 
-    def record(old: nn.Module, new: nn.Module) -> None:
-        before = dict(old.named_parameters(recurse=False))
-        for name, param in new.named_parameters(recurse=False):
-            if name in before and before[name] is not param:
-                replaced[id(before[name])] = param
-
     for name, module in list(model.named_modules()):
         if not name or any(name == r or name.startswith(r + ".") for r in replicated):
             continue
-        new: nn.Module | None = None
+        make: Callable[[Any], nn.Module] | None = None
         if name == layout.head and has_head:
-            old_weight = module.weight
-            tied = replaced.get(id(old_weight))
-            new = GridHead(module, ctx=ctx, mode=mode, batch=batch, vocab=layout.vocab_head, tied=tied)
+            tied = replaced.get(id(module.weight))
+            make = partial(GridHead, ctx=ctx, mode=mode, batch=batch, vocab=layout.vocab_head, tied=tied)
         elif name == embedding:
-            new = GridEmbedding(module, ctx=ctx, mode=mode, space=space)
+            make = partial(GridEmbedding, ctx=ctx, mode=mode, space=space)
         elif isinstance(module, nn.Linear) or is_conv1d(module):
-            new = GridLinear(module, ctx=ctx, mode=mode, groups=groups.get(name, 1))
+            make = partial(GridLinear, ctx=ctx, mode=mode, groups=groups.get(name, 1))
         elif isinstance(module, nn.LayerNorm):
-            new = GridNorm(module, ctx=ctx, mode=mode)
+            make = partial(GridNorm, ctx=ctx, mode=mode)
         elif is_rms_norm(module):
-            new = GridRMSNorm(module, ctx=ctx, mode=mode, space=space)
+            make = partial(GridRMSNorm, ctx=ctx, mode=mode, space=space)
         elif isinstance(module, nn.Embedding):
             raise ValueError(f"{name}: an embedding the layout does not list (as the word embedding or replicated)")
-        if new is not None:
-            record(module, new)
-            replace_module(model, name, new)
+        if make is not None:
+            swap(model, name, make, replaced)
     retie(model, replaced)  # a parameter the model shares elsewhere (BERT's head bias) follows its split
     for name in replicated:
         _replicated(model.get_submodule(name), space)

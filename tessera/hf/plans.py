@@ -13,7 +13,7 @@ from tessera.context import ParallelContext
 from tessera.hf.decoder import Layout, apply_1d
 from tessera.hf.grid import apply_grid, head_parts
 
-__all__ = ["MODES", "apply_layout", "heads_rule"]
+__all__ = ["MODES", "apply_layout", "cross_attention_rule", "heads_rule"]
 
 MODES = ("1d", "2d", "2.5d", "3d")
 
@@ -36,3 +36,10 @@ def heads_rule(ctx: ParallelContext, **counts: int) -> list[str]:
         else f"the {parts} blocks tensor mode {mode!r} splits the hidden dimension into"
     )
     return [f"{name} ({count}) must be divisible by {by}" for name, count in counts.items() if count % parts]
+
+
+def cross_attention_rule(config: Any) -> list[str]:
+    """A decoder with cross-attention (``add_cross_attention=True``) has no policy: as a message."""
+    if getattr(config, "add_cross_attention", False):
+        return ["cross-attention (add_cross_attention=True) has no tensor-parallel policy"]
+    return []
