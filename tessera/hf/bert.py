@@ -1,5 +1,8 @@
 """The BERT policy (``BertModel``, ``BertForMaskedLM``, ``BertForSequenceClassification``,
-``BertForTokenClassification``): 1D tensor parallelism.
+``BertForTokenClassification``): tensor parallelism in every mode (1D described here; the grid
+modes follow the same layout through :mod:`tessera.hf.grid`) and pipeline stages (the
+embeddings on the first stage; the masked-LM head, or the pooler and the classifier, on the
+last, whose :class:`~tessera.hf.stages.Exit` runs the model's own head and loss).
 
 BERT's layers are post-norm encoder blocks. Per layer: ``attention.self.query``, ``key`` and
 ``value`` column-parallel (each rank keeps ``num_attention_heads / P`` heads; the attention
@@ -28,6 +31,7 @@ from tessera.context import ParallelContext
 from tessera.hf.decoder import Block, Layout, has_submodule
 from tessera.hf.plans import MODES, apply_layout, cross_attention_rule, heads_rule
 from tessera.hf.policy import Policy, register_policy
+from tessera.hf.stages import pipeline_layers
 
 __all__ = ["CLASSIFIER_LAYOUT", "LAYOUT", "POLICY", "layout_of"]
 
@@ -84,6 +88,7 @@ POLICY = Policy(
     modes=MODES,
     check=check,
     apply=apply,
-    notes="every tensor mode; sequence-parallel regions in 1D",
+    notes="every tensor mode; sequence-parallel regions in 1D; pipeline stages",
+    pipeline=lambda model: pipeline_layers(model, layout_of(model)),
 )
 register_policy(POLICY)

@@ -1,4 +1,7 @@
-"""The ViT policy (``ViTModel``, ``ViTForImageClassification``): 1D tensor parallelism.
+"""The ViT policy (``ViTModel``, ``ViTForImageClassification``): tensor parallelism in every mode
+(1D described here; the grid modes follow the same layout through :mod:`tessera.hf.grid`) and
+pipeline stages (the embeddings on the first stage, the final norm and the classifier on the
+class token on the last).
 
 ViT's layers are pre-norm encoder blocks (transformers 5.x names them ``layers.N`` with
 ``attention.{q,k,v,o}_proj`` and ``mlp.fc1``/``fc2``). Per layer: ``attention.q_proj``, ``k_proj``
@@ -21,6 +24,7 @@ from tessera.context import ParallelContext
 from tessera.hf.decoder import Block, Layout
 from tessera.hf.plans import MODES, apply_layout, heads_rule
 from tessera.hf.policy import Policy, divides, register_policy
+from tessera.hf.stages import pipeline_layers
 
 __all__ = ["LAYOUT", "POLICY", "sequence_length"]
 
@@ -73,12 +77,19 @@ def apply(model: Any, ctx: ParallelContext) -> dict[int, nn.Parameter]:
     return apply_layout(model, ctx, LAYOUT)
 
 
+def stages(model: Any) -> list[nn.Module]:
+    """Pipeline layers; the hidden states entering the first layer are ``[images, tokens, h]``."""
+    tokens = sequence_length(model.config)
+    return pipeline_layers(model, LAYOUT, entry_shape=lambda inputs: (inputs["pixel_values"].shape[0], tokens))
+
+
 POLICY = Policy(
     name="vit",
     classes=("ViTModel", "ViTForImageClassification"),
     modes=MODES,
     check=check,
     apply=apply,
-    notes="every tensor mode; sequence-parallel regions in 1D",
+    notes="every tensor mode; sequence-parallel regions in 1D; pipeline stages",
+    pipeline=stages,
 )
 register_policy(POLICY)
