@@ -8,7 +8,8 @@ the loss this rank's tokens of every sequence.
 
 Batches are ``(inputs, targets)`` pairs, or dicts of tensors (:mod:`tessera.engine.batches`:
 the model is called with ``**batch`` and each micro-batch's loss is weighed by the items it
-averages over, so that ignored labels fall between micro-batches and ranks as they may).
+averages over, so that ignored labels fall between micro-batches and ranks as they may). Through
+pipeline stages a dict is the first stage's input and, with its count, the last stage's target.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tessera.amp import LossScaler, autocast
 from tessera.context import ParallelContext
 from tessera.engine.batches import loss_items, loss_shifts_labels, output_loss
 from tessera.engine.options import LossScaleOptions, TrainingOptions
-from tessera.errors import NotAvailableError, TesseraError
+from tessera.errors import TesseraError
 from tessera.optim.clip import clip_coefficient
 from tessera.parallel.batches import rows_of
 from tessera.parallel.sequence.tokens import sequence_length_of, take_tokens
@@ -338,20 +339,46 @@ class Engine:
     def _train_scheduled_batch(self, batches: list[Any]) -> float:
         """One optimizer step through the strategy's schedule over ``batches`` (one per
         micro-batch); the gradients then meet over the data axis through the strategy."""
-        if isinstance(batches[0], Mapping):
-            raise NotAvailableError(
-                "dict batches with pipeline stages are not available yet (the last stage's loss takes each "
-                "micro-batch's targets, averaged per micro-batch): give (inputs, targets) pairs, whose inputs "
-                "may be a dict (input_ids, attention_mask), or set parallel.pipeline.size=1"
-            )
         self.strategy.zero_grad()
-        batches = [self.local_tokens(_split_batch(_to_device(b, self.ctx.device))) for b in batches]
+        if isinstance(batches[0], Mapping):
+            scheduled, loss_fn = self._scheduled_dict_batches(batches)
+        else:
+            if self._criterion is None:  # refused on every rank, before the schedule starts
+                raise TesseraError(
+                    "(inputs, targets) batches through pipeline stages need the loss the last stage computes: "
+                    "pass criterion=... to initialize, or give dict batches with labels (the model's own loss)"
+                )
+            scheduled = [self.local_tokens(_split_batch(_to_device(b, self.ctx.device))) for b in batches]
+            loss_fn = self._loss
         with autocast(self.precision, self.ctx.device), self._own_tokens_rng():
-            loss = self.strategy.run_schedule(batches, self._loss)
+            loss = self.strategy.run_schedule(scheduled, loss_fn)
         if not math.isfinite(loss):
             raise FloatingPointError(f"non-finite loss {loss} at step {self.global_step} in {self.precision}")
         self._apply_gradients()
         return self.mean_over_data(loss)
+
+    def _scheduled_dict_batches(
+        self, batches: list[Mapping[str, Any]]
+    ) -> tuple[list[tuple[Any, Any]], Callable[[Any, Any], torch.Tensor]]:
+        """Dict micro-batches as a schedule's ``(inputs, targets)`` and the loss that weighs them.
+
+        Each dict is chunk 0's input (the later stages read it too: masks, positions) and, with
+        its count of items (:attr:`loss_items`, counted on every rank from the batch before the
+        schedule: every pipeline rank draws the same micro-batches), the last stage's target.
+        Micro-batch ``i`` of ``n_i`` items, of ``N`` over the step's micro-batches and the
+        replicas, gives ``loss_i * n_i / N`` times the micro-batches and replicas that the
+        schedule and the gradient reduction divide by again: the step's gradient and loss are
+        those of the global batch in one process."""
+        local = [self.local_tokens(_to_device(b, self.ctx.device)) for b in batches]
+        counts = [self.loss_items(b).to(self.ctx.device) for b in local]
+        total = self._counted_over_replicas(torch.stack(counts))
+        scale = len(local) * self.ctx.replicas.size / total
+
+        def weighed_loss(output: Any, target: tuple[Mapping[str, Any], torch.Tensor]) -> torch.Tensor:
+            batch, count = target
+            return _weigh(self.dict_loss(output, batch).float(), count, scale)
+
+        return [(b, (b, n)) for b, n in zip(local, counts, strict=True)], weighed_loss
 
     @torch.no_grad()
     def eval_batch(self, data_iter: Iterator[Any]) -> tuple[float, Any]:

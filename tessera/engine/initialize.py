@@ -162,8 +162,6 @@ def _pipeline_stage(
 ) -> PipelineStage:
     """This rank's pipeline stage of ``model`` per ``options.pipeline``."""
     pp = options.pipeline
-    if criterion is None:
-        raise ConfigError("pipeline parallelism computes the loss on the last stage: pass criterion= to initialize")
     if options.gradient_accumulation != 1:
         raise ConfigError(
             f"gradient_accumulation={options.gradient_accumulation} with pipeline stages: the pipeline's "

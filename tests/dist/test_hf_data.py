@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, IterableDataset
 import tessera
 from tessera.checkpoint import CheckpointError, full_state_dict
 from tessera.engine import EvalHook, ThroughputHook
-from tessera.errors import NotAvailableError, TesseraError
+from tessera.errors import TesseraError
 from tessera.testing import use_layout
 
 SEQ, VOCAB = 14, 40
@@ -270,21 +270,3 @@ def refusals(folder: str):
 def test_checkpointing_a_loader_that_cannot_say_where_it_is_is_refused(tmp_path):
     message = refusals(str(tmp_path))
     assert message is not None and "cannot say where it is in its epoch" in message and "tessera.initialize" in message
-
-
-def pipeline_dicts():
-    use_layout(pipeline=2, config={"parallel": {"pipeline": {"size": 2, "microbatches": 2}}})
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-    engine, *_ = tessera.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.CrossEntropyLoss())
-    batch = {"x": torch.zeros(2, 4), "labels": torch.zeros(2, dtype=torch.long)}
-    try:
-        engine.train_batch(iter([batch, batch]))
-    except NotAvailableError as exc:
-        return str(exc)
-    return None
-
-
-def test_dict_batches_with_pipeline_stages_are_refused_clearly(pools):
-    for message in pools.run(2, pipeline_dicts):
-        assert message is not None and "dict batches with pipeline stages are not available yet" in message

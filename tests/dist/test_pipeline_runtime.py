@@ -153,6 +153,72 @@ def test_middle_stage_traffic(pools, schedule):
         assert first["send"][1] == first["recv"][1] == 2 * m * BOUNDARY_BYTES + LOSS_BYTES + HEADER_BYTES
 
 
+# rows of each micro-batch, step by step: new shapes in steps 0, 1 and 3, within a step and across
+UNEVEN_ROWS = [(8, 8, 8, 8), (8, 5, 8, 5), (5, 8, 5, 8), (3, 8, 3, 5)]
+NEW_SHAPES = [1, 1, 0, 1]  # row counts not seen in an earlier step
+
+
+def uneven_micro_batches(step: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(2000 + step)
+    rows = UNEVEN_ROWS[step]
+    return [torch.randn(r, WIDTH, generator=g) for r in rows], [
+        torch.randint(0, CLASSES, (r,), generator=g) for r in rows
+    ]
+
+
+def body_uneven(schedule: str):
+    ctx = use_layout(pipeline=2)
+    group, rank = ctx.group("pipeline"), ctx.local_rank("pipeline")
+    model = make_model()
+    chunks = build_chunks(list(model), uniform(BLOCKS, 2), [rank])
+    actions = build_schedule(schedule, 2, len(UNEVEN_ROWS[0]))[rank]
+    runtime = PipelineRuntime(chunks, actions, 2, None, group)  # the loss comes with each step
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, headers = [], []
+    transfers = sum(not a.kind.is_compute for a in actions)
+    for step in range(len(UNEVEN_ROWS)):
+        opt.zero_grad()
+        with comm.ledger() as led:
+            losses.append(runtime.run(*uneven_micro_batches(step), loss_fn=nn.functional.cross_entropy))
+        headers.append(led.calls("send", "pipeline") + led.calls("recv", "pipeline") - transfers)
+        opt.step()
+    mine = {k: t.clone() for k, t in model.state_dict().items() if (int(k.split(".")[0]) < BLOCKS // 2) == (rank == 0)}
+    return losses, mine, headers
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_micro_batches_of_changing_shapes(pools, schedule):
+    """Micro-batches whose rows change within a step and between steps (a collator's padding, a
+    stream's short last batch) train as in one process; an activation's shape header crosses
+    once per boundary and new input shape, in the step that first brings it."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    ref_losses = []
+    for step in range(len(UNEVEN_ROWS)):
+        opt.zero_grad()
+        inputs, targets = uneven_micro_batches(step)
+        loss = sum(nn.functional.cross_entropy(model(x), y) for x, y in zip(inputs, targets, strict=True)) / len(inputs)
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.item())
+    merged: dict[str, torch.Tensor] = {}
+    for losses, state, headers in pools.run(2, body_uneven, schedule):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        assert headers == NEW_SHAPES
+        merged.update(state)
+    assert merged.keys() == model.state_dict().keys()
+    for key, expected in model.state_dict().items():
+        torch.testing.assert_close(merged[key], expected, rtol=1e-5, atol=1e-7, msg=key)
+
+
+def test_a_runtime_without_a_loss_function_says_so():
+    chunks = build_chunks(list(make_model()), [], [0])
+    runtime = PipelineRuntime(chunks, build_schedule("1f1b", 1, 2)[0], 1, None, single_rank_group("pipeline"))
+    with pytest.raises(ValueError, match="no loss function"):
+        runtime.run(*micro_batches(0, 2))
+    assert runtime.run(*micro_batches(0, 2), loss_fn=nn.functional.cross_entropy) > 0
+
+
 @pytest.mark.parametrize(("schedule", "v"), [("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)])
 def test_one_rank_runs_neighbouring_chunks_locally(schedule, v):
     """p = 1: chunks that neighbour on one rank hand activations and gradients over without p2p."""

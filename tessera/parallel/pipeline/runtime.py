@@ -6,13 +6,14 @@ is one small method (a dispatch table from :class:`Kind`); each maximal run of a
 is posted as one batched p2p through :mod:`tessera.comm`, in list order, without waiting: a
 received tensor is waited for by the compute that reads it, the sends at the end of the step
 (``docs/pipeline.md``, "For runtime authors"). Where the backend lets transfers complete in any
-order (gloo), steps after the first walk :func:`~tessera.parallel.pipeline.post_early`'s
-reordering of the list: sends right after their compute, receives as early as pairing allows.
+order (gloo), steps whose activation shapes are known walk
+:func:`~tessera.parallel.pipeline.post_early`'s reordering of the list: sends right after their
+compute, receives as early as pairing allows.
 
-What crosses the wire (shape headers on the first step, receive buffers, the loss riding on the
-last micro-batch's gradient instead of a collective) is :mod:`~tessera.parallel.pipeline.wire`'s
-job; zero-bubble's B and W split the backward without repeating work
-(:mod:`~tessera.parallel.pipeline.backward`).
+What crosses the wire (shape headers in a step that brings micro-batches of new input shapes,
+the first step at least; receive buffers; the loss riding on the last micro-batch's gradient
+instead of a collective) is :mod:`~tessera.parallel.pipeline.wire`'s job; zero-bubble's B and W
+split the backward without repeating work (:mod:`~tessera.parallel.pipeline.backward`).
 
 ``run(..., measure=True)`` records a :class:`StepMeasure` of the step in ``runtime.last_measure``
 (:mod:`~tessera.parallel.pipeline.measure`; off by default; when off, no timer or hook runs):
@@ -39,9 +40,17 @@ from tessera.parallel.pipeline.inputs import MISSING, running_inputs
 from tessera.parallel.pipeline.measure import SavedBytes, StepMeasure
 from tessera.parallel.pipeline.p2p_placement import post_early
 from tessera.parallel.pipeline.partition import chunk_ranges
-from tessera.parallel.pipeline.wire import BoundaryShapes, gradient_buffer, pack_loss, peer_of, unpack_loss
+from tessera.parallel.pipeline.wire import (
+    BoundaryShapes,
+    Signature,
+    gradient_buffer,
+    input_signature,
+    pack_loss,
+    peer_of,
+    unpack_loss,
+)
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[Any, Any], torch.Tensor]  # (last chunk's output, micro-batch's target) -> loss
 Key = tuple[int, int]  # (chunk, micro-batch)
 
 _MAKES_INPUT_GRAD = (Kind.BACKWARD, Kind.BACKWARD_INPUT)
@@ -73,9 +82,10 @@ class PipelineRuntime:
     """Runs this rank's ``actions`` (one rank's list of a schedule) over its ``chunks``.
 
     ``chunks`` maps every chunk the actions name to its module; ``num_chunks`` is ``p * v``;
-    ``loss_fn(output, target)`` gives the loss of one micro-batch on the last chunk; ``group`` is
-    the pipeline group (an action's ``peer`` indexes it). Parameter gradients accumulate into
-    ``.grad``; the caller zeroes them and steps the optimizer.
+    ``loss_fn(output, target)`` gives the loss of one micro-batch on the last chunk (a step may
+    bring its own: :meth:`run`); ``group`` is the pipeline group (an action's ``peer`` indexes
+    it). Parameter gradients accumulate into ``.grad``; the caller zeroes them and steps the
+    optimizer.
     """
 
     def __init__(
@@ -83,7 +93,7 @@ class PipelineRuntime:
         chunks: dict[int, nn.Module],
         actions: list[Action],
         num_chunks: int,
-        loss_fn: LossFn,
+        loss_fn: LossFn | None,
         group: AxisGroup,
     ) -> None:
         missing = sorted({a.chunk for a in actions} - set(chunks))
@@ -94,10 +104,10 @@ class PipelineRuntime:
         self.num_microbatches = 1 + max((a.microbatch for a in actions), default=-1)
         self._params = {c: [p for p in m.parameters() if p.requires_grad] for c, m in chunks.items()}
         self._holds_loss = num_chunks - 1 in chunks
-        # Transfers never block this runtime, so from the second step on (once no shape header
-        # has to cross) sends go right after the compute that makes their data and receives as
-        # early as the pairing order allows (post_early), where the backend lets transfers
-        # complete in any order (gloo).
+        # Transfers never block this runtime, so in a step where no shape header has to cross
+        # (every step after the first whose micro-batches' input shapes were seen before) sends go
+        # right after the compute that makes their data and receives as early as the pairing
+        # order allows (post_early), where the backend lets transfers complete in any order (gloo).
         self._first_plan = _plan(actions)
         self._plan = _plan(post_early(actions)) if p2p_in_any_order(group) else self._first_plan
         self._check_loss_carrier()
@@ -107,7 +117,7 @@ class PipelineRuntime:
             Kind.BACKWARD_INPUT: self._backward_input,
             Kind.BACKWARD_WEIGHT: self._backward_weight,
         }
-        self._shapes = BoundaryShapes(actions)  # activation shapes per boundary, kept across steps
+        self._shapes = BoundaryShapes(actions)  # activation shapes per boundary and input signature
         self.last_measure: StepMeasure | None = None  # set by run(..., measure=True)
         self._measure: StepMeasure | None = None
         self._reset_step([], [])
@@ -142,22 +152,38 @@ class PipelineRuntime:
         their device after the stage is built)."""
         return next((p.device for c in self.chunks.values() for p in c.parameters()), torch.device("cpu"))
 
-    def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor], *, measure: bool = False) -> float:
-        """Run one step of ``m`` micro-batches: ``inputs[i]`` feeds chunk 0, ``targets[i]`` the loss
-        of the last chunk (other ranks may pass anything, e.g. empty lists). Returns the sum of the
-        micro-batch losses, each divided by ``m`` (the step's mean loss), on every pipeline rank.
-        With ``measure``, the ranks first meet at a barrier and the step's :class:`StepMeasure` is
-        left in ``last_measure`` (every pipeline rank must pass the same ``measure``)."""
-        self._reset_step(inputs, targets)
+    def run(
+        self,
+        inputs: Sequence[Any],
+        targets: Sequence[Any],
+        *,
+        loss_fn: LossFn | None = None,
+        measure: bool = False,
+    ) -> float:
+        """Run one step of ``m`` micro-batches: ``inputs[i]`` feeds chunk 0 (a tensor, or a dict
+        of them), ``targets[i]`` the loss of the last chunk, ``loss_fn(output, targets[i])`` (the
+        runtime's own when None). The engine gives every rank the inputs: later chunks may read
+        them (:func:`~tessera.parallel.pipeline.inputs.current_inputs`), and where the inputs'
+        shapes change between micro-batches (a collator's padding, a stream's short last batch)
+        both ends of a boundary need them to agree on the activation's shape
+        (:func:`~tessera.parallel.pipeline.wire.input_signature`). Where shapes never change, a
+        rank may pass empty lists for what it does not read. Returns the sum of the micro-batch
+        losses, each divided by ``m`` (the step's mean loss), on every pipeline rank. With
+        ``measure``, the ranks first meet at a barrier and the step's :class:`StepMeasure` is left
+        in ``last_measure`` (every pipeline rank must pass the same ``measure``)."""
+        step_loss = loss_fn if loss_fn is not None else self.loss_fn
+        if step_loss is None:
+            raise ValueError("the pipeline runtime has no loss function: pass loss_fn= to the runtime or to run()")
+        self._reset_step(inputs, targets, step_loss)
         self._measure = stats = StepMeasure() if measure else None
         if stats is not None:
             comm.barrier(self.group)
             start = time.perf_counter()
-        known = self._shapes.known()
+        known = self._shapes.known(self._signatures)
         for transfers, action in self._plan if known else self._first_plan:
             if transfers:
                 if not known:
-                    self._shapes.exchange(transfers, self._activation, self.group, self._device)
+                    self._shapes.exchange(transfers, self._activation, self.group, self._device, self._signatures)
                 self._post(transfers)
             if action is None:
                 break
@@ -182,8 +208,15 @@ class PipelineRuntime:
             raise RuntimeError("pipeline step ended without the step's loss reaching this rank")
         return float(total)
 
-    def _reset_step(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
-        self._inputs, self._targets = inputs, targets
+    def _input_signatures(self, inputs: Sequence[Any]) -> list[Signature]:
+        """Each micro-batch's :func:`input_signature`; one for all when this rank has no inputs."""
+        if len(inputs) != self.num_microbatches:
+            return [None] * self.num_microbatches
+        return [input_signature(x) for x in inputs]
+
+    def _reset_step(self, inputs: Sequence[Any], targets: Sequence[Any], loss_fn: LossFn | None = None) -> None:
+        self._inputs, self._targets, self._step_loss = inputs, targets, loss_fn
+        self._signatures = self._input_signatures(inputs)
         self._saved: dict[Key, tuple[torch.Tensor, torch.Tensor]] = {}  # (input, output or loss) of a forward
         # After B: what W needs (chunk 0, which makes no input gradient, keeps output and its grad)
         self._for_weight: dict[Key, WeightWork | tuple[torch.Tensor, torch.Tensor | None]] = {}
@@ -247,7 +280,8 @@ class PipelineRuntime:
         with running_inputs(self._inputs[i] if i < len(self._inputs) else MISSING):
             out = self.chunks[c](x)
         if c == self.num_chunks - 1:
-            out = self.loss_fn(out, self._targets[i]) / self.num_microbatches
+            assert self._step_loss is not None  # set by run
+            out = self._step_loss(out, self._targets[i]) / self.num_microbatches
             assert self._loss is not None
             self._loss += out.detach()
         return out
@@ -324,7 +358,8 @@ class PipelineRuntime:
             grad = self._grad_out.pop(key).contiguous()
             return self._pack_loss(grad) if self._carries_loss(action) else grad
         if action.kind is Kind.RECV_ACT:
-            return self._shapes.activation_buffer(action.chunk - 1, self._device)
+            signature = self._signatures[action.microbatch]
+            return self._shapes.activation_buffer(action.chunk - 1, signature, self._device)
         output = self._saved[key][1]  # RECV_GRAD: the gradient of an output this rank made
         return gradient_buffer(output, with_loss=self._carries_loss(action), device=self._device)
 

@@ -11,7 +11,7 @@ over the pipeline group before the optimizer step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from tessera.context import ParallelContext
 from tessera.context.placement import placement_of, update_placement
 from tessera.errors import ConfigError
 from tessera.parallel.pipeline.partition import blocks_of, chunk_ranges, chunks_of_rank, partition
-from tessera.parallel.pipeline.runtime import PipelineRuntime, build_chunks
+from tessera.parallel.pipeline.runtime import LossFn, PipelineRuntime, build_chunks
 from tessera.parallel.pipeline.schedules import build_schedule
 
 
@@ -56,7 +56,7 @@ class PipelineStage:
     def __init__(
         self,
         model: nn.Module,
-        criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        criterion: LossFn | None,
         ctx: ParallelContext,
         *,
         schedule: str,
@@ -110,14 +110,16 @@ class PipelineStage:
                 seen.setdefault(id(param), param)
         return list(seen.values())
 
-    def step(self, micro_batches: Sequence[Any]) -> float:
-        """Forward and backward of one optimizer step over ``microbatches`` ``(inputs, targets)``;
-        returns the step's loss (the mean over the micro-batches, on every pipeline rank)."""
+    def step(self, micro_batches: Sequence[Any], loss_fn: LossFn | None = None) -> float:
+        """Forward and backward of one optimizer step over ``microbatches`` ``(inputs, targets)``,
+        each micro-batch's loss ``loss_fn(output, targets)`` (the criterion the stage was built
+        with when None); returns the step's loss (the mean of the micro-batches' losses, on
+        every pipeline rank)."""
         if len(micro_batches) != self.microbatches:
             raise ValueError(f"a pipeline step takes {self.microbatches} micro-batches, got {len(micro_batches)}")
         inputs = [b[0] for b in micro_batches]
         targets = [b[1] for b in micro_batches]
-        loss = self.runtime.run(inputs, targets)
+        loss = self.runtime.run(inputs, targets, loss_fn=loss_fn)
         self._sum_shared_gradients()
         return loss
 

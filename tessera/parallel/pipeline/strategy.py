@@ -40,13 +40,15 @@ class PipelineParallel(Strategy):
         if torch.is_grad_enabled():
             raise TesseraError(
                 "with pipeline stages the engine trains whole steps: call engine.train_batch(data_iter) "
-                "(each item one micro-batch of (inputs, targets)); engine(x) is for evaluation under no_grad"
+                "(each item one micro-batch: an (inputs, targets) pair or a dict); engine(x) is for evaluation under no_grad"
             )
         self._sync_weights()
         return self.module(*args, **kwargs)
 
     def run_schedule(self, batches: Sequence[tuple[Any, Any]], criterion: Callable[..., torch.Tensor]) -> float:
-        return self.stage.step(batches)
+        """The step's schedule over ``batches`` (``(inputs, targets)`` per micro-batch; inputs
+        may be a dict), each micro-batch's loss ``criterion(output, targets)`` on the last stage."""
+        return self.stage.step(batches, criterion)
 
     def _sync_weights(self) -> None:
         """Give every rank the current weights of every stage: each parameter is broadcast from

@@ -3,12 +3,16 @@ it lands in. :mod:`~tessera.parallel.pipeline.runtime` decides when a transfer i
 module decides what its bytes are.
 
 - **Activations** go as they are. A receive buffer needs a shape, so the first activation sent
-  across a chunk boundary is preceded by a small header (int64 ``[8]``: ndim, dtype code, dims)
-  in a batch of its own, waited at once, just before the data batch; both sides cache the shape
-  per boundary (:class:`BoundaryShapes`) and later steps send data only (activations of a
-  boundary have the same shape for every micro-batch). The header batch pairs with the
-  partner's header batch exactly as the data batches pair, so it adds no new wait to the
-  schedule's order; headers cross on the first step only, which walks the list as generated.
+  across a chunk boundary for micro-batches of a new :func:`input_signature` (the shapes and
+  dtypes of the micro-batch's inputs, which every pipeline rank is given alike) is preceded by
+  a small header (int64 ``[8]``: ndim, dtype code, dims) in a batch of its own, waited at once,
+  just before the data batch; both sides cache the shape per boundary and signature
+  (:class:`BoundaryShapes`), and micro-batches of a known signature send data only (an
+  activation's shape is taken to follow from the shapes of the micro-batch's inputs: data
+  collators pad each batch to its own longest row, and a stream's last batch is short). The
+  header batch pairs with the partner's header batch exactly as the data batches pair, so it
+  adds no new wait to the schedule's order; headers cross only in a step that brings a new
+  signature (the first, at least), which walks the list as generated.
 - **Gradients** go as they are, into a buffer shaped like the output they are the gradient of,
   which the receiving rank made itself: no header.
 - **The step's loss**, known on the last chunk's rank only, rides as 8 bytes of float64 in front
@@ -18,7 +22,8 @@ module decides what its bytes are.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -31,6 +36,20 @@ LOSS_BYTES = 8  # the step's loss, float64, in front of the last micro-batch's g
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool)
 
 ShapeDtype = tuple[torch.Size, torch.dtype]
+Signature = Hashable  # what input_signature returns
+
+
+def input_signature(inputs: Any) -> Signature:
+    """The shapes and dtypes of the tensors in a micro-batch's ``inputs`` (a tensor, or
+    mappings, lists and tuples of them, walked in order), with the mapping keys: equal for two
+    micro-batches whose activations have the same shapes."""
+    if isinstance(inputs, torch.Tensor):
+        return (tuple(inputs.shape), inputs.dtype)
+    if isinstance(inputs, Mapping):
+        return tuple((key, input_signature(value)) for key, value in inputs.items())
+    if isinstance(inputs, list | tuple):
+        return tuple(input_signature(value) for value in inputs)
+    return type(inputs).__name__
 
 
 def peer_of(action: Action) -> int:
@@ -60,18 +79,22 @@ def decode_header(header: torch.Tensor) -> ShapeDtype:
 
 class BoundaryShapes:
     """Shape and dtype of the activation crossing each chunk boundary this rank sends or receives
-    (a boundary is named by the chunk on its sending side), learned from headers on the first
-    step and kept across steps."""
+    (a boundary is named by the chunk on its sending side), per input signature of the
+    micro-batches (:func:`input_signature`): learned from headers in the step that first brings
+    the signature, and kept across steps."""
 
     def __init__(self, actions: Sequence[Action]) -> None:
         self._inbound = {a.chunk - 1 for a in actions if a.kind is Kind.RECV_ACT}
         self._outbound = {a.chunk for a in actions if a.kind is Kind.SEND_ACT}
-        self._announced: set[int] = set()  # boundaries whose header this rank has sent
-        self._received: dict[int, ShapeDtype] = {}  # boundaries whose header it received
+        self._announced: set[tuple[int, Signature]] = set()  # (boundary, signature) headers sent
+        self._received: dict[tuple[int, Signature], ShapeDtype] = {}  # (boundary, signature) headers received
 
-    def known(self) -> bool:
-        """Whether every header this rank sends or receives has crossed."""
-        return self._inbound <= self._received.keys() and self._outbound <= self._announced
+    def known(self, signatures: Sequence[Signature]) -> bool:
+        """Whether every header this rank sends or receives for micro-batches of ``signatures``
+        has crossed."""
+        return all((b, s) in self._received for b in self._inbound for s in signatures) and all(
+            (b, s) in self._announced for b in self._outbound for s in signatures
+        )
 
     def exchange(
         self,
@@ -79,28 +102,33 @@ class BoundaryShapes:
         activation: Callable[[Action], torch.Tensor],
         group: AxisGroup,
         device: torch.device,
+        signatures: Sequence[Signature],
     ) -> None:
         """Send and receive, as one waited batch in list order, the headers of the boundaries in
-        ``transfers`` that have not crossed yet. ``activation(action)`` is the tensor a
+        ``transfers`` that have not crossed yet for their micro-batch's signature
+        (``signatures[i]`` for micro-batch ``i``). ``activation(action)`` is the tensor a
         ``SEND_ACT`` will send."""
         ops: list[comm.P2POp] = []
-        incoming: dict[int, torch.Tensor] = {}  # boundary -> header buffer
+        incoming: dict[tuple[int, Signature], torch.Tensor] = {}  # (boundary, signature) -> header buffer
         for action in transfers:
-            if action.kind is Kind.SEND_ACT and action.chunk not in self._announced:
-                self._announced.add(action.chunk)
+            signature = signatures[action.microbatch]
+            if action.kind is Kind.SEND_ACT and (action.chunk, signature) not in self._announced:
+                self._announced.add((action.chunk, signature))
                 header = encode_header(activation(action)).to(device)
                 ops.append(comm.P2POp("send", header, group, peer_of(action)))
-            elif action.kind is Kind.RECV_ACT and action.chunk - 1 not in {*self._received, *incoming}:
-                header = torch.zeros(HEADER_SIZE, dtype=torch.int64, device=device)
-                ops.append(comm.P2POp("recv", header, group, peer_of(action)))
-                incoming[action.chunk - 1] = header
+            elif action.kind is Kind.RECV_ACT:
+                key = (action.chunk - 1, signature)
+                if key not in self._received and key not in incoming:
+                    incoming[key] = torch.zeros(HEADER_SIZE, dtype=torch.int64, device=device)
+                    ops.append(comm.P2POp("recv", incoming[key], group, peer_of(action)))
         comm.batch_p2p(ops)
-        for boundary, header in incoming.items():
-            self._received[boundary] = decode_header(header)
+        for key, header in incoming.items():
+            self._received[key] = decode_header(header)
 
-    def activation_buffer(self, boundary: int, device: torch.device) -> torch.Tensor:
-        """A fresh buffer for an activation crossing ``boundary`` (its header must have crossed)."""
-        shape, dtype = self._received[boundary]
+    def activation_buffer(self, boundary: int, signature: Signature, device: torch.device) -> torch.Tensor:
+        """A fresh buffer for an activation crossing ``boundary`` for a micro-batch of
+        ``signature`` (its header must have crossed)."""
+        shape, dtype = self._received[(boundary, signature)]
         return torch.empty(shape, dtype=dtype, device=device)
 
 
