@@ -1,6 +1,6 @@
 """Mixed precision: autocast for bf16/fp16 and a loss scaler for fp16."""
 
-from tessera.amp.precision import autocast, compute_dtype
+from tessera.amp.precision import autocast, autocast_operands, compute_dtype
 from tessera.amp.scaler import LossScaler
 
-__all__ = ["LossScaler", "autocast", "compute_dtype"]
+__all__ = ["LossScaler", "autocast", "autocast_operands", "compute_dtype"]

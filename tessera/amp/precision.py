@@ -21,3 +21,17 @@ def autocast(name: str, device: torch.device) -> contextlib.AbstractContextManag
     if name == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=compute_dtype(name))
+
+
+def autocast_operands(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` (a matmul's floating operands) in the running autocast's dtype, as autocast
+    casts the operands of ``F.linear``; unchanged outside autocast. For products autocast does
+    not see: a custom autograd function, an in-place ``addmm_``. The casts are differentiable,
+    so fp32 parameters still get fp32 gradients."""
+    if not tensors:
+        return tensors
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)

@@ -2,7 +2,9 @@
 grouped-query attention and RMSNorm) under the grid tensor modes by their tessera.hf policies:
 2D on 4 ranks, 2.5D on 8 (depth 2), 3D on 8. 10 AdamW steps give the losses and the weights of
 plain single-process transformers (fp32, 1e-5), compared through the Hugging Face state-dict
-keys; the batch (6 rows) does not divide the grids' batch blocks, so padding rows are tested."""
+keys; the batch (6 rows) does not divide the grids' batch blocks, so padding rows are tested.
+Under bf16 (autocast, fp32 masters) LLaMA's losses stay within 2e-2 of fp32 transformers' in
+each mode."""
 
 from __future__ import annotations
 
@@ -22,8 +24,11 @@ LAYOUTS = {  # tensor size, mode, depth
 ROWS = 6  # of the reference's 8: 6 does not divide 4 (2.5D's batch blocks) and leaves 3D's q=2 even
 
 
-def train(family: str, tensor: int, mode: str, depth: int):
-    config = {"parallel": {"tensor": {"size": tensor, "mode": mode, "depth": depth}}}
+def train(family: str, tensor: int, mode: str, depth: int, dtype: str = "fp32"):
+    config = {
+        "parallel": {"tensor": {"size": tensor, "mode": mode, "depth": depth}},
+        "mixed_precision": {"dtype": dtype},
+    }
     use_layout(tensor=tensor, mode=mode, depth=depth, config=config)
     model = build(family)
     keys = list(model.state_dict())
@@ -50,3 +55,12 @@ def test_a_transformers_model_trains_as_in_one_process_in_each_grid_mode(pools, 
         assert set(state) == set(keys) == set(expected)
         for key, value in expected.items():
             torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: key + m)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_under_bf16_llama_tracks_fp32_transformers_in_each_grid_mode(pools, layout):
+    tensor, mode, depth = LAYOUTS[layout]
+    expected_losses, _ = reference_rows("llama")
+    for losses, *_ in pools.run(tensor, train, "llama", tensor, mode, depth, "bf16", timeout=300):
+        rel = [abs(a - b) / abs(b) for a, b in zip(losses, expected_losses, strict=True)]
+        assert 1e-5 < max(rel) < 2e-2, rel  # bf16 did run, and stays close

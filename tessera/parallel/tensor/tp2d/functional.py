@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera import comm
+from tessera.amp import autocast_operands
 from tessera.comm import AxisGroup
 from tessera.context import ParallelContext
 from tessera.parallel.tensor import summa
@@ -161,14 +162,14 @@ def linear(
     ``C = A B^T`` with ``B = W`` (form "abt": ``[out/q (block i), in/q (block j)]``).
     ``keep_blocks``: keep the blocks received in the forward for the backward."""
     w = sum_grad_over(weight, grid.dep)  # each grid computes its share of dW
-    a = x.reshape(-1, x.shape[-1])
+    a, w = autocast_operands(x.reshape(-1, x.shape[-1]), w)  # SUMMA's products are out of autocast's sight
     if form == "ab":
         y = summa.matmul_ab(a, w.t(), grid.row, grid.col, keep=keep_blocks)
     else:
         y = summa.matmul_abt(a, w, grid.row, grid.col, keep=keep_blocks)
     y = y.view(*x.shape[:-1], y.shape[-1])
     if bias is not None:
-        y = y + sum_grad_over(bias, *grid.weight_replicas)
+        y = y + sum_grad_over(bias, *grid.weight_replicas).to(y.dtype)
     return y
 
 
@@ -193,7 +194,7 @@ def layer_norm(
     if weight is not None:
         y = y * sum_grad_over(weight, *grid.weight_replicas)
     if bias is not None:
-        y = y + sum_grad_over(bias, *grid.weight_replicas)
+        y = y + sum_grad_over(bias, *grid.weight_replicas).to(y.dtype)
     return y
 
 

@@ -76,6 +76,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera import comm
+from tessera.amp import autocast_operands
 from tessera.comm import AxisGroup
 from tessera.context import ParallelContext
 from tessera.parallel.tensor.common import ShardSpec, pad_dim, shard_parameter
@@ -208,6 +209,7 @@ def linear_3d(
     part's block ``o*q + n``, side by side). ``keep_blocks``: keep the gathered weight for backward
     (else backward gathers it again: ``(q-1)/q^3 e in out`` more bytes on ``3d_weight``, the
     gathered weight ``[out/q, in/q]`` less memory)."""
+    x, weight = autocast_operands(x, weight)  # as F.linear's; the weight gathered in the compute dtype
     x = comm.all_gather_forward_reduce_scatter_backward(x, cube.input, -1)  # in block o
     if keep_blocks:
         partial = F.linear(x, _gathered_weight(weight, cube, groups))  # [..., q*groups*F_out], summed over o next
