@@ -23,10 +23,18 @@ def set_data(param: nn.Parameter, value: torch.Tensor) -> None:
     # swap in an empty real parameter, then set its data as for any parameter: the parameter
     # keeps a version counter of its own (not the one of ``value``'s base, a ZeRO chunk say,
     # whose in-place gathers would otherwise look like changes to the parameter to autograd)
+    hooks, accumulated_hooks = param._backward_hooks, param._post_accumulate_grad_hooks
     real = nn.Parameter(torch.empty(0, dtype=value.dtype, device=value.device), requires_grad=param.requires_grad)
     real.__dict__.update(param.__dict__)
     torch.utils.swap_tensors(param, real)
     param.data = value
+    # gradient hooks registered while the parameter was meta (a replicated table's all-reduce
+    # over the tensor group, say) sit on the swapped-out tensor's autograd record: setting the
+    # hook dicts again attaches them to this one (their handles still remove them)
+    if hooks:
+        param._backward_hooks = hooks
+    if accumulated_hooks:
+        param._post_accumulate_grad_hooks = accumulated_hooks
 
 
 def module_tensors(module: nn.Module) -> Iterator[tuple[str, nn.Module, str, str, torch.Tensor]]:

@@ -3,11 +3,13 @@
 Tiny random GPT-2 and LLaMA models (grouped-query attention, a vocabulary of 67 that the tensor
 size does not divide) are saved by plain transformers; ``tessera.hf.from_pretrained`` builds
 them deferred and ``tessera.initialize`` fills each rank's blocks or pieces from the folder
-(single file and sharded with an index) under 1d tp2, tp2 x dp2, ZeRO-3 dp2 and 2d tp4: the
-logits are plain transformers' (1e-5). After training under tp2, ``save_pretrained`` writes a
-folder that plain ``from_pretrained`` loads to the parallel model's logits, with the keys
-transformers itself writes. Folders that do not fit the model fail naming the file and the
-tensor; loading keeps each rank's peak memory within its share plus one tensor.
+(single file and sharded with an index) under 1d tp2, tp2 x dp2, ZeRO-3 dp2, 2d tp4, pp2 x tp2,
+pp2 x tp2 x dp2 and 3d tp8: the logits are plain transformers' (1e-5), the pipeline layouts'
+from the engine's evaluation of the whole model. After training under tp2 and under 3d tp8,
+``save_pretrained`` writes a folder that plain ``from_pretrained`` loads to the parallel model's
+logits (those of the same steps in one process), with the keys transformers itself writes.
+Folders that do not fit the model fail naming the file and the tensor; loading keeps each
+rank's peak memory within its share plus one tensor under tp2, 2d tp4 and pp2 x tp2 x dp2.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,8 +29,9 @@ import tessera
 from tessera.bench.zero_ranks import trim_heap
 from tessera.checkpoint import CheckpointError, full_state_dict
 from tessera.hf.weights import INDEX, WEIGHTS, read_folder
-from tessera.memory.report import peak_rss_bytes, reset_peak_rss
+from tessera.memory.report import model_state_bytes, peak_rss_bytes, reset_peak_rss
 from tessera.testing import use_layout
+from tests.conftest import REPORT
 
 BATCH, SEQ, VOCAB = 4, 16, 67
 STEPS = 3
@@ -68,7 +72,8 @@ def loss_of(output, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output.logits.flatten(0, 1), targets.flatten())
 
 
-def logits_of(model: torch.nn.Module) -> torch.Tensor:
+def logits_of(model: Any) -> torch.Tensor:
+    """The logits of ``model`` (a module or an engine) for :func:`tokens`, evaluated."""
     model.eval()
     with torch.no_grad():
         return model(tokens()).logits
@@ -99,20 +104,32 @@ LAYOUTS = {
         {"pipeline": 2, "tensor": 2},
         {"parallel": {"pipeline": {"size": 2, "schedule": "1f1b"}, "tensor": {"size": 2, "mode": "1d"}}},
     ),
+    "pp2xtp2xdp2": (
+        {"pipeline": 2, "tensor": 2, "data": 2},
+        {
+            "parallel": {
+                "data": 2,
+                "pipeline": {"size": 2, "schedule": "1f1b"},
+                "tensor": {"size": 2, "mode": "1d"},
+            }
+        },
+    ),
+    "3d-tp8": ({"tensor": 8, "mode": "3d"}, {"parallel": {"tensor": {"size": 8, "mode": "3d"}}}),
 }
-WORLD = {"tp2": 2, "tp2xdp2": 4, "zero3-dp2": 2, "2d-tp4": 4, "pp2xtp2": 4}
+WORLD = {"tp2": 2, "tp2xdp2": 4, "zero3-dp2": 2, "2d-tp4": 4, "pp2xtp2": 4, "pp2xtp2xdp2": 8, "3d-tp8": 8}
 
 
-def load_body(folder: str, layout: str) -> tuple[torch.Tensor | None, bool, dict[str, torch.Tensor]]:
-    """(logits, whether from_pretrained left the parameters unallocated, the full state)."""
+def load_body(folder: str, layout: str) -> tuple[torch.Tensor, bool, dict[str, torch.Tensor]]:
+    """(logits, whether from_pretrained left the parameters unallocated, the full state). The
+    engine evaluates: with pipeline stages it fetches every stage's weights and runs the whole
+    model under no_grad."""
     dims, config = LAYOUTS[layout]
     use_layout(**dims, config=config)
     torch.manual_seed(123)  # not the folder's seed: the values must come from the folder
     model = tessera.hf.from_pretrained(folder, attn_implementation="eager")
     deferred = all(p.is_meta for p in model.parameters())
     engine, *_ = tessera.initialize(model, torch.optim.AdamW(model.parameters()), loss_of)
-    logits = None if "pp" in layout else logits_of(engine.model)  # stages: the state is compared
-    return logits, deferred, full_state_dict(engine)
+    return logits_of(engine), deferred, full_state_dict(engine)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -122,8 +139,7 @@ def test_a_folder_loads_into_a_layout_with_the_logits_of_transformers(pools, fol
     stored = load_file(Path(whole) / WEIGHTS)
     for logits, deferred, state in pools.run(WORLD[layout], load_body, whole, layout, timeout=300):
         assert deferred, "from_pretrained allocated parameters"
-        if logits is not None:
-            torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
         for key, value in state.items():  # tied keys too: the head has the embedding's values
             assert torch.equal(value, stored.get(key, stored.get("transformer.wte.weight"))), key
 
@@ -138,29 +154,62 @@ def test_a_sharded_folder_with_an_index_loads(pools, folders, family):
         torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
 
 
-def train_and_save_body(family: str, folder: str, out: str, shard_size: int | str) -> torch.Tensor:
-    """Load under tp2, train a few steps, save; the parallel model's logits after training."""
-    dims, config = LAYOUTS["tp2"]
+def train_and_save_body(
+    family: str, folder: str, out: str, shard_size: int | str, layout: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Load into ``layout``, train a few steps (every rank the whole batch), save; the parallel
+    model's logits after loading and after training."""
+    dims, config = LAYOUTS[layout]
     use_layout(**dims, config=config)
     model = tessera.hf.from_pretrained(folder, attn_implementation="eager")
-    engine, *_ = tessera.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3), loss_of)
+    engine, *_ = tessera.initialize(model, optimizer_of(model), loss_of)
+    loaded = logits_of(engine)
+    engine.train()
     for x, y in batches():
         engine.train_batch(iter([(x, y)]))
     tessera.hf.save_pretrained(engine, out, max_shard_size=shard_size)
-    return logits_of(engine.model)
+    return loaded, logits_of(engine)
+
+
+def optimizer_of(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
+
+
+def trained_in_one_process(folder: str) -> torch.Tensor:
+    """Plain transformers: the folder's model after the same steps, its logits."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
+    model.train()
+    optimizer = optimizer_of(model)
+    for x, y in batches():
+        optimizer.zero_grad()
+        loss_of(model(x), y).backward()
+        optimizer.step()
+    return logits_of(model)
+
+
+SAVES = {  # name -> (layout, max_shard_size)
+    "tp2-one-file": ("tp2", "50GB"),
+    "tp2-sharded": ("tp2", 30_000),
+    "3d-tp8-sharded": ("3d-tp8", 30_000),
+}
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-@pytest.mark.parametrize("shards", ["one file", "sharded"])
-def test_after_training_save_pretrained_writes_what_transformers_loads(pools, folders, tmp_path, family, shards):
+@pytest.mark.parametrize("save", list(SAVES))
+def test_after_training_save_pretrained_writes_what_transformers_loads(pools, folders, tmp_path, family, save):
     whole, _, before = folders[family]
+    layout, size = SAVES[save]
     out = tmp_path / "saved"
-    size = "50GB" if shards == "one file" else 30_000
-    results = pools.run(2, train_and_save_body, family, whole, str(out), size, timeout=300)
-    torch.testing.assert_close(results[0], results[1])
-    assert not torch.allclose(results[0], before, atol=1e-3), "training changed nothing"
-    assert (out / INDEX).is_file() == (shards == "sharded")
-    assert (out / WEIGHTS).is_file() == (shards == "one file")
+    results = pools.run(WORLD[layout], train_and_save_body, family, whole, str(out), size, layout, timeout=300)
+    after = results[0][1]
+    for loaded, trained in results:
+        torch.testing.assert_close(loaded, before, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(trained, after)
+    assert not torch.allclose(after, before, atol=1e-3), "training changed nothing"
+    torch.testing.assert_close(after, trained_in_one_process(whole), rtol=1e-5, atol=1e-5)
+    sharded = size != "50GB"
+    assert (out / INDEX).is_file() == sharded
+    assert (out / WEIGHTS).is_file() == (not sharded)
     assert set(read_folder(out)) == set(read_folder(whole)), "not the keys transformers writes"
     loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
         out, attn_implementation="eager", output_loading_info=True
@@ -168,7 +217,7 @@ def test_after_training_save_pretrained_writes_what_transformers_loads(pools, fo
     assert not any(info.values()), info  # no missing, unexpected or mismatched keys
     config = json.loads((out / "config.json").read_text())
     assert type(loaded).__name__ == config["architectures"][0] and loaded.dtype == torch.float32
-    torch.testing.assert_close(logits_of(loaded), results[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits_of(loaded), after, rtol=1e-5, atol=1e-5)
     if family == "gpt2":
         assert loaded.lm_head.weight is loaded.transformer.wte.weight
 
@@ -321,9 +370,11 @@ def test_a_head_model_loads_a_base_model_folder_and_tied_weights_stay_tied(folde
 
 # ---- memory --------------------------------------------------------------------------------
 
-# a GPT-2 of about 49M parameters (195 MB in fp32): the bound below holds a rank's half of it
-# plus its largest tensor, well under the whole model
+# a GPT-2 of about 49M parameters (195 MB in fp32): a rank's share of it (a half under tp2, a
+# quarter under 2d tp4 and pp2 x tp2 x dp2) plus its largest tensor is well under the whole
 BIG = dict(vocab_size=8192, n_positions=64, n_embd=768, n_layer=6, n_head=12)
+# layout -> the ranks over which the model's tensors are split (tensor x pipeline)
+MEMORY_LAYOUTS = {"tp2": 2, "2d-tp4": 4, "pp2xtp2xdp2": 4}
 
 
 @pytest.fixture(scope="module")
@@ -337,8 +388,10 @@ def big_folder(tmp_path_factory):
     return str(folder), str(tiny), sum(sizes), max(sizes)
 
 
-def memory_body(folder: str, tiny: str, whole: bool) -> tuple[int, int]:
-    dims, config = LAYOUTS["tp2"]
+def memory_body(folder: str, tiny: str, whole: bool, layout: str) -> tuple[int, int, int]:
+    """(baseline RSS, peak RSS while the folder loads into ``layout``, bytes of model state the
+    rank then holds: its blocks, pieces or stage, and buffers)."""
+    dims, config = LAYOUTS[layout]
     use_layout(**dims, config=config)
 
     def load(path: str):
@@ -355,19 +408,38 @@ def memory_body(folder: str, tiny: str, whole: bool) -> tuple[int, int]:
     engine = load(folder)
     peak = peak_rss_bytes()
     assert base is not None and peak is not None
+    buffers = sum(b.numel() * b.element_size() for b in engine.module.buffers() if not b.is_meta)
+    held = model_state_bytes(engine.module, engine.optimizer)["total"] + buffers
     del engine
-    return base, peak
+    return base, peak, held
 
 
-def test_loading_keeps_each_rank_within_its_share_plus_one_tensor(pools, big_folder):
+def _over(base: int, peak: int, held: int, largest: int) -> float:
+    """How far ``peak`` is above the bound: the baseline, the rank's share and one tensor, +15%."""
+    return peak - (base + held + largest) * 1.15
+
+
+@pytest.mark.parametrize("layout", list(MEMORY_LAYOUTS))
+def test_loading_keeps_each_rank_within_its_share_plus_one_tensor(pools, big_folder, layout):
     folder, tiny, total, largest = big_folder
-
-    def over(base: int, peak: int) -> float:
-        return peak - (base + total / 2 + largest) * 1.15
-
-    for base, peak in pools.run(2, memory_body, folder, tiny, False, timeout=600):
-        print("deferred", base / 2**20, peak / 2**20, over(base, peak) / 2**20)
-        assert over(base, peak) <= 0, f"peak {peak / 2**20:.0f} MiB, {over(base, peak) / 2**20:.0f} MiB over the bound"
-    whole = pools.run(2, memory_body, folder, tiny, True, timeout=600)
-    print("whole", [(b / 2**20, p / 2**20, over(b, p) / 2**20) for b, p in whole])
-    assert max(over(base, peak) for base, peak in whole) > total / 8, "a whole load exceeds the bound by far"
+    split = MEMORY_LAYOUTS[layout]
+    results = pools.run(WORLD[layout], memory_body, folder, tiny, False, layout, timeout=600)
+    mib = [
+        tuple(round(n / 2**20) for n in (base, peak, held, _over(base, peak, held, largest)))
+        for base, peak, held in results
+    ]
+    line = f"hf load {layout}: per rank (baseline, peak, held, over the bound) MiB {mib}; whole model {total / 2**20:.0f} MiB"
+    print(line)
+    REPORT.append(line)
+    for rank, (base, peak, held) in enumerate(results):
+        # the share: the rank's blocks (a pipeline stage's tied embedding block on both ends)
+        assert held <= total / split + largest, f"rank {rank} holds {held / 2**20:.0f} MiB"
+        over = _over(base, peak, held, largest)
+        assert over <= 0, f"rank {rank}: peak {peak / 2**20:.0f} MiB, {over / 2**20:.0f} MiB over the bound"
+    if layout != "tp2":
+        return
+    whole = pools.run(WORLD[layout], memory_body, folder, tiny, True, layout, timeout=600)
+    line = f"hf load {layout}, whole with transformers: over the bound MiB {[round(_over(*r, largest) / 2**20) for r in whole]}"
+    print(line)
+    REPORT.append(line)
+    assert max(_over(*r, largest) for r in whole) > total / 8, "a whole load exceeds the bound by far"

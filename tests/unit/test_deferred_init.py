@@ -136,6 +136,26 @@ def test_meta_tensors_not_from_deferred_init_are_refused():
         _initialize(model)
 
 
+def test_gradient_hooks_registered_while_deferred_run_once_the_parameters_are_made():
+    """A hook put on a meta parameter (the grid modes' all-reduce of a replicated table's
+    gradient) runs on the real parameter initialize makes; its handle still removes it."""
+    use_layout(config={})
+    with deferred_init():
+        model = nn.Linear(3, 2)
+    model.weight.register_hook(lambda grad: grad * 2)
+    accumulated: list[torch.Tensor] = []
+    handle = model.bias.register_post_accumulate_grad_hook(lambda p: accumulated.append(p.grad.clone()))
+    engine = _initialize(model)
+    x = torch.ones(4, 3)
+    engine(x).sum().backward()
+    assert not model.weight.is_meta and torch.equal(model.weight.grad, torch.full((2, 3), 8.0))
+    assert len(accumulated) == 1 and torch.equal(accumulated[0], torch.full((2,), 4.0))
+    handle.remove()
+    model.bias.grad = None
+    engine(x).sum().backward()
+    assert len(accumulated) == 1
+
+
 def _tiny_gpt():
     return gpt("tiny", vocab_size=64, max_seq_len=16, d_model=32, n_layers=2, n_heads=4)
 
