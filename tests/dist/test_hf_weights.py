@@ -298,6 +298,25 @@ def test_a_model_built_normally_takes_a_folder_at_or_after_initialize(pools, fol
         torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
 
 
+def load_after_evaluating_body(folder: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """pp2 x tp2: evaluated once (every stage's weights fetched), then loaded: evaluating again
+    fetches the loaded weights of the other stage."""
+    dims, config = LAYOUTS["pp2xtp2"]
+    use_layout(**dims, config=config)
+    model = build("llama", seed=99)
+    engine, *_ = tessera.initialize(model, torch.optim.AdamW(model.parameters()), loss_of)
+    before = logits_of(engine)
+    tessera.hf.load_pretrained(engine, folder)
+    return before, logits_of(engine)
+
+
+def test_under_pipeline_stages_a_load_after_evaluating_is_what_the_next_evaluation_sees(pools, folders):
+    whole, _, expected = folders["llama"]
+    for before, after in pools.run(4, load_after_evaluating_body, whole, timeout=300):
+        assert not torch.allclose(before, expected, atol=1e-3)
+        torch.testing.assert_close(after, expected, rtol=1e-5, atol=1e-5)
+
+
 def deferred_random_body(family: str, layout: str) -> dict[str, torch.Tensor] | None:
     """A deferred transformers model with no folder: under tensor parallelism the policy's
     blocks are recorded with the construction and made by its replay."""

@@ -107,8 +107,8 @@ class PipelineParallel(Strategy):
         self.gradients.checkpoint_loaded()
 
     def checkpoint_session(self) -> AbstractContextManager[None]:
-        return self.gradients.checkpoint_session()
         self._weights_stale = True  # other stages' weights: fetched again before evaluation
+        return self.gradients.checkpoint_session()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.gradients.load_state_dict(state)
