@@ -1,8 +1,11 @@
-"""The training recipe behind ``tessera train``: a reference model on the byte-level corpus.
+"""The training recipe behind ``tessera train``: a reference model on the byte-level corpus, or
+a Hugging Face causal LM (``model.name = "hf:PATH"``, :mod:`tessera.hf.train`); the Python
+standard library's sources or the user's text files (``data.name = "text_files"``).
 
 Every rank runs :func:`main` (``tessera train`` starts them through torchrun). Rank 0 writes the
 run folder: ``config.json`` (the resolved config), ``metrics.jsonl`` (one line per step),
-``loss.png`` (the loss curve) and ``model.safetensors`` (the final weights).
+``loss.png`` (the loss curve) and the final weights: ``model.safetensors`` for the reference
+model, an ``hf/`` folder that ``transformers`` loads for a Hugging Face one.
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +26,12 @@ from torch.utils.data import DataLoader
 
 import tessera
 from tessera import comm
-from tessera.config import Config, OptimizerConfig, default_run_dir
-from tessera.data import byte_datasets
+from tessera.config import Config, DataConfig, OptimizerConfig, default_run_dir
+from tessera.data import ByteSequences, load_byte_corpus
 from tessera.engine import (
     CheckpointHook,
     EvalHook,
+    Hook,
     LogHook,
     LRSchedulerHook,
     MemoryHook,
@@ -34,7 +39,9 @@ from tessera.engine import (
     ThroughputHook,
     Trainer,
 )
+from tessera.errors import ConfigError
 from tessera.files import atomic_path, write_atomically
+from tessera.hf.train import CausalLMLoss, SavePretrainedHook, build_model, find_causal_lm, sequence_length, tokens_of
 from tessera.models import NextTokenLoss, gpt
 from tessera.optim import LAMB, LARS, lr_schedule
 
@@ -62,8 +69,8 @@ def write_run_config(cfg: Config, world_size: int, path: Path) -> None:
     write_atomically(path, json.dumps(resolved, indent=2) + "\n")
 
 
-def plot_losses(history: list[dict[str, Any]], path: Path) -> None:
-    """Write the training (and evaluation) loss curve as a PNG."""
+def plot_losses(history: list[dict[str, Any]], path: Path, unit: str = "byte") -> None:
+    """Write the training (and evaluation) loss curve as a PNG (``unit``: what one target is)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -76,7 +83,7 @@ def plot_losses(history: list[dict[str, Any]], path: Path) -> None:
     if evals:
         ax.plot(*zip(*evals), "o-", label="eval loss", markersize=4)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy (nats per byte)")
+    ax.set_ylabel(f"cross-entropy (nats per {unit})")
     ax.set_title("tessera train")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -86,31 +93,151 @@ def plot_losses(history: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def run(cfg: Config, run_dir: Path) -> list[dict[str, Any]]:
-    """Train under the current context and write the run folder (rank 0)."""
-    ctx = tessera.get_context()
+# ---- data ------------------------------------------------------------------------------------
+
+
+def text_files(paths: Sequence[str]) -> list[Path]:
+    """The files ``data.files`` names: each file as given, each folder's files (recursively, in
+    path order, hidden files and folders and ``__pycache__`` left out). Raises ConfigError for a
+    path that does not exist and a folder without files."""
+    found: list[Path] = []
+    for given in paths:
+        path = Path(given)
+        if path.is_file():
+            found.append(path)
+        elif path.is_dir():
+            inside = []
+            for folder, subfolders, names in os.walk(path):
+                subfolders[:] = [d for d in subfolders if not d.startswith(".") and d != "__pycache__"]
+                inside += [Path(folder, n) for n in names if not n.startswith(".")]
+            if not inside:
+                raise ConfigError(f"data.files: the folder {given} holds no files to read")
+            found += sorted(inside, key=lambda p: p.relative_to(path).parts)
+        else:
+            raise ConfigError(f"data.files: {given} does not exist (give text files or folders of them)")
+    return found
+
+
+def corpus_bytes(data: DataConfig) -> torch.Tensor:
+    """The text ``data`` names as one uint8 tensor of at most ``data.max_bytes`` bytes: the Python
+    standard library's sources (:func:`tessera.data.load_byte_corpus`), or the ``text_files``
+    read in order, joined by b"\\n" and cut at ``max_bytes``."""
+    if data.name == "python_bytes":
+        return load_byte_corpus(data.max_bytes)
+    chunks: list[bytes] = []
+    total = 0
+    for path in text_files(data.files):
+        if total >= data.max_bytes:
+            break
+        chunk = path.read_bytes() if not chunks else b"\n" + path.read_bytes()
+        chunks.append(chunk)
+        total += len(chunk)
+    text = b"".join(chunks)[: data.max_bytes]
+    if not text:
+        raise ConfigError(f"data.files={list(data.files)}: the files are empty")
+    return torch.frombuffer(bytearray(text), dtype=torch.uint8)
+
+
+def split_tokens(tokens: torch.Tensor, seq_len: int, data: DataConfig) -> tuple[ByteSequences, ByteSequences]:
+    """Train and eval next-token windows of ``seq_len`` over a 1-D tensor of token ids: the eval
+    set from the last ``data.eval_fraction`` of the tokens, the train set from the rest (as
+    :func:`tessera.data.byte_datasets` splits the byte corpus). ConfigError when a part is
+    shorter than one window."""
+    n_eval = int(len(tokens) * data.eval_fraction)
+    n_train = len(tokens) - n_eval
+    for name, size in (("train", n_train), ("eval", n_eval)):
+        if size < seq_len + 1:
+            raise ConfigError(
+                f"the {name} split has {size} tokens, fewer than data.seq_len + 1 = {seq_len + 1}: give more text "
+                f"(data.max_bytes={data.max_bytes}, data.files), a shorter data.seq_len, or another "
+                f"data.eval_fraction (={data.eval_fraction})"
+            )
+    return ByteSequences(tokens[:n_train], seq_len), ByteSequences(tokens[n_train:], seq_len)
+
+
+# ---- the recipe --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Recipe:
+    """What a model brings to the training loop: the model (built, deferred or not: initialize
+    makes it), its loss ``criterion(outputs, targets)``, train and eval sets of ``(inputs,
+    targets)`` windows of ``seq_len`` tokens, how the run names it, what one token is (the loss
+    curve's unit) and the hook that writes the final weights into the run folder."""
+
+    model: nn.Module
+    criterion: Callable[..., torch.Tensor]
+    train_set: ByteSequences
+    eval_set: ByteSequences
+    seq_len: int
+    title: str
+    unit: str
+    final_weights: Callable[[Path], Hook]
+
+
+def gpt_recipe(cfg: Config) -> Recipe:
+    """The reference GPT (``model.name = "gpt"``) on the bytes of the configured text."""
     with tessera.deferred_init() if cfg.model.deferred else contextlib.nullcontext():
         model = gpt(cfg.model.preset, **cfg.model.options)
     seq_len = cfg.data.seq_len or model.config.max_seq_len
-    train_set, eval_set = byte_datasets(seq_len, cfg.data.max_bytes, cfg.data.eval_fraction)
+    train_set, eval_set = split_tokens(corpus_bytes(cfg.data), seq_len, cfg.data)
+    title = f"{cfg.model.name}-{cfg.model.preset} ({model.num_parameters():,} parameters)"
+    # the final weights, as model.safetensors
+    return Recipe(model, NextTokenLoss(), train_set, eval_set, seq_len, title, "byte", CheckpointHook)
+
+
+HF_FOLDER = "hf"  # <run folder>/hf: the fine-tuned Hugging Face model
+
+
+def hf_recipe(cfg: Config) -> Recipe:
+    """A Hugging Face causal LM (``model.name = "hf:PATH"``, :mod:`tessera.hf.train`) on the
+    configured text, tokenized by its folder's tokenizer or read as bytes; its final weights go
+    to ``<run folder>/hf`` as a folder ``transformers`` loads, with the tokenizer's files."""
+    assert cfg.model.hf_path is not None
+    lm = find_causal_lm(cfg.model.hf_path, cfg.model.options)
+    seq_len = sequence_length(lm, cfg.data.seq_len)
+    model = build_model(lm, cfg.model.options, deferred=cfg.model.deferred)
+    train_set, eval_set = split_tokens(tokens_of(corpus_bytes(cfg.data), lm.tokenizer), seq_len, cfg.data)
+    count = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())  # full shapes: not made yet
+    weights = f"weights of {lm.path}" if lm.weights else "random weights"
+    tokens = "its tokenizer" if lm.tokenizer is not None else "byte ids"
+    title = f"{lm.cls.__name__} ({count:,} parameters, {weights}, {tokens})"
+    tokenizer = lm.tokenizer
+    return Recipe(
+        model,
+        CausalLMLoss(),
+        train_set,
+        eval_set,
+        seq_len,
+        title,
+        lm.unit,
+        lambda run_dir: SavePretrainedHook(run_dir / HF_FOLDER, tokenizer),
+    )
+
+
+def run(cfg: Config, run_dir: Path) -> list[dict[str, Any]]:
+    """Train under the current context and write the run folder (rank 0)."""
+    ctx = tessera.get_context()
+    recipe = hf_recipe(cfg) if cfg.model.hf_path is not None else gpt_recipe(cfg)
+    seq_len, train_set = recipe.seq_len, recipe.train_set
     micro = cfg.data.micro_batch_size
     train_dl = DataLoader(train_set, batch_size=micro, shuffle=cfg.data.shuffle, drop_last=True)
-    eval_dl = DataLoader(eval_set, batch_size=micro)
-    optimizer = build_optimizer(model, cfg.optimizer)
+    eval_dl = DataLoader(recipe.eval_set, batch_size=micro)
+    optimizer = build_optimizer(recipe.model, cfg.optimizer)
     pipeline = cfg.parallel.pipeline
     per_step = (pipeline.microbatches or pipeline.size) if pipeline.size > 1 else cfg.gradient_accumulation
     per_epoch = len(train_set) // (micro * ctx.size("data") * per_step)
     total = cfg.trainer.steps or cfg.trainer.epochs * per_epoch
     scheduler = lr_schedule(optimizer, total, cfg.schedule.warmup_steps, cfg.schedule.decay, cfg.schedule.min_lr_ratio)
     engine, train_loader, eval_loader, scheduler = tessera.initialize(
-        model, optimizer, NextTokenLoss(), train_dl, eval_dl, scheduler, init=cfg.model.init
+        recipe.model, optimizer, recipe.criterion, train_dl, eval_dl, scheduler, init=cfg.model.init
     )
     assert train_loader is not None
     if ctx.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_run_config(cfg, ctx.world_size, run_dir / "config.json")
         print(
-            f"tessera train: {cfg.model.name}-{cfg.model.preset} ({model.num_parameters():,} parameters) on "
+            f"tessera train: {recipe.title} on "
             f"{ctx.world_size} rank(s), {total} steps of {micro * ctx.size('data') * per_step} "
             f"x {seq_len} tokens; run folder {run_dir}",
             file=sys.stderr,
@@ -121,7 +248,7 @@ def run(cfg: Config, run_dir: Path) -> list[dict[str, Any]]:
         ThroughputHook(tokens_per_sample=seq_len),
         MemoryHook(every=cfg.trainer.log_every),
         EvalHook(eval_loader, every=cfg.trainer.eval_every, max_batches=cfg.trainer.eval_batches),
-        CheckpointHook(run_dir),  # the final weights, as model.safetensors
+        recipe.final_weights(run_dir),
         LogHook(every=cfg.trainer.log_every, jsonl=run_dir / "metrics.jsonl"),
         ProgressBarHook(enabled=cfg.trainer.progress_bar),
     ]
@@ -135,7 +262,7 @@ def run(cfg: Config, run_dir: Path) -> list[dict[str, Any]]:
     )
     history = trainer.fit(train_loader, steps=total)
     if ctx.rank == 0:
-        plot_losses(history, run_dir / "loss.png")
+        plot_losses(history, run_dir / "loss.png", recipe.unit)
         first, last = history[0]["loss"], history[-1]["loss"]
         print(f"tessera train: loss {first:.3f} -> {last:.3f}; wrote {run_dir}", file=sys.stderr, flush=True)
     return history

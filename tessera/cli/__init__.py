@@ -158,6 +158,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="processes on this node (default: launch.nproc_per_node, 4)",
     )
+    train.add_argument(
+        "--model",
+        default=None,
+        metavar="gpt|hf:PATH",
+        help="the model (model.name): gpt, the reference GPT (default), or hf:PATH, a Hugging Face causal LM to "
+        "fine-tune from a local folder (config.json and safetensors weights), or to train from random weights of "
+        "a config.json; its folder's tokenizer, if any, tokenizes the text; the result goes to <run folder>/hf",
+    )
+    train.add_argument(
+        "--data",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="train on this text file or folder of them instead of the Python sources (data.name=text_files, "
+        "data.files); repeatable",
+    )
     train.add_argument("--output-dir", default=None, help="the run folder (default: trainer.output_dir/<time>-<model>)")
     train.add_argument(
         "--resume",

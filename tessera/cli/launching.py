@@ -104,18 +104,40 @@ def report_failures(log_dir: Path, command: str, exit_codes: dict[int, int]) -> 
 # ---- tessera train ----------------------------------------------------------------------------
 
 
-def cmd_train(args: Any) -> int:
-    """Validate the config and layout here, then start the ranks of ``tessera.train``."""
-    from tessera.config import check_model_layout, default_run_dir, load_config
-
+def train_overrides(args: Any) -> list[str]:
+    """``--set`` overrides of ``tessera train``'s command line, ``--model`` and ``--data`` among them."""
     following = [args.config] if args.config is not None else []
     check_overrides(args.set, following)
-    cfg = load_config(args.config, args.set)  # a bad config fails before any process starts
+    overrides = list(args.set)
+    if getattr(args, "model", None) is not None:
+        overrides.append(f"model.name={args.model}")
+    if getattr(args, "data", None):
+        overrides += ["data.name=text_files", f"data.files={json.dumps(list(args.data))}"]
+    return overrides
+
+
+def check_data_files(cfg: Any) -> None:
+    """Every path ``data.files`` names exists (read on the ranks)."""
+    for given in cfg.data.files:
+        if not Path(given).exists():
+            raise ConfigError(f"data.files: {given} does not exist (give text files or folders of them)")
+
+
+def cmd_train(args: Any) -> int:
+    """Validate the config, layout, model and data here, then start the ranks of ``tessera.train``."""
+    from tessera.config import check_model_layout, default_run_dir, load_config
+
+    overrides = train_overrides(args)
+    cfg = load_config(args.config, overrides)  # a bad config fails before any process starts
     check_model_layout(cfg)  # tessera train builds config.model, named or default
+    check_data_files(cfg)
+    if cfg.model.hf_path is not None:
+        from tessera.hf.train import check_causal_lm  # imports transformers (and torch)
+
+        check_causal_lm(cfg.model.hf_path, cfg.model.options, cfg.data.seq_len)
     nproc = args.nproc_per_node or cfg.launch.nproc_per_node
     given = "--nproc-per-node" if args.nproc_per_node else "launch.nproc_per_node; change it with --nproc-per-node"
     check_world(cfg, nproc, f"tessera train starts {nproc} processes: {given}")
-    overrides = list(args.set)
     resumed = None
     if getattr(args, "resume", None) is not None:
         resumed = find_checkpoint(args.resume, Path(cfg.trainer.output_dir))

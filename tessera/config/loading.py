@@ -297,6 +297,13 @@ def default_run_dir(config: Config) -> Path:
     import time
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    hf_path = config.model.hf_path
+    if hf_path is not None:  # hf:PATH: the folder's name (or the config file's, unless config.json)
+        given = Path(hf_path)
+        label = (
+            given.parent.name if given.name == "config.json" else given.stem if given.suffix == ".json" else given.name
+        )
+        return Path(config.trainer.output_dir) / f"{stamp}-hf-{label or 'model'}"
     return Path(config.trainer.output_dir) / f"{stamp}-{config.model.name}-{config.model.preset}"
 
 
@@ -306,16 +313,28 @@ def check_model_layout(config: Config) -> None:
     pp = config.parallel.pipeline
     if pp.size == 1:
         return
-    from tessera.models.gpt import pipeline_layer_count  # models sit above config; import on use
+    if config.model.hf_path is not None:
+        from tessera.hf.train import pipeline_layer_count as hf_layer_count  # reads the model's config.json
 
-    layers = pipeline_layer_count(config.model.preset, config.model.options)
+        counted = hf_layer_count(config.model.hf_path, config.model.options)
+        if counted is None:  # no num_hidden_layers: the pipeline policy decides at initialize
+            return
+        layers = counted
+        model = f"model {config.model.name!r}"
+        parts_of = f"the entry (embeddings), {layers - 2} decoder layers, the exit (final norm and head)"
+    else:
+        from tessera.models.gpt import pipeline_layer_count  # models sit above config; import on use
+
+        layers = pipeline_layer_count(config.model.preset, config.model.options)
+        model = f"model {config.model.name!r} (preset {config.model.preset!r})"
+        parts_of = f"embedding, {layers - 2} blocks, head"
     parts = pp.size * pp.chunks
     if parts > layers:
         raise ConfigError(
             f"parallel.pipeline.size={pp.size}"
             + (f" x chunks={pp.chunks}" if pp.chunks > 1 else "")
-            + f" needs {parts} pipeline parts, but model {config.model.name!r} (preset {config.model.preset!r}) "
-            f"has only {layers} layers to split (embedding, {layers - 2} blocks, head): use at most {layers} parts"
+            + f" needs {parts} pipeline parts, but {model} "
+            f"has only {layers} layers to split ({parts_of}): use at most {layers} parts"
         )
 
 

@@ -294,29 +294,77 @@ class TrainerConfig:
             raise ConfigError(f"{path}epochs and log_every must be at least 1")
 
 
+HF_PREFIX = "hf:"  # model.name = "hf:PATH": a Hugging Face causal language model
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    name: Literal["gpt"] = _field("gpt", "Reference model family (tessera.models).")
-    preset: str = _field("tiny", "Size preset: tiny, small, gpt2, gpt2-medium, gpt2-large, gpt2-xl.")
-    options: dict[str, Any] = _field_factory(dict, "Overrides of the preset's fields, e.g. dict(dropout=0.1).")
-    deferred: bool = _field(
-        True, "Build the model under tessera.deferred_init(): each rank makes only what it keeps (same values)."
+    name: str = _field(
+        "gpt",
+        "'gpt': the reference GPT (tessera.models); 'hf:PATH': a Hugging Face causal LM, from a local folder "
+        "(config.json and safetensors weights: fine-tuned) or a config.json alone (random weights); "
+        "`tessera train --model hf:PATH` (docs/hf.md).",
     )
-    init: str = _field("random", "Initial weights: 'random' (seeded), or a checkpoint folder or .safetensors file.")
+    preset: str = _field("tiny", "gpt: size preset: tiny, small, gpt2, gpt2-medium, gpt2-large, gpt2-xl.")
+    options: dict[str, Any] = _field_factory(
+        dict,
+        "Overrides of the preset's fields, e.g. dict(dropout=0.1); for hf:, of the model's config.json fields, "
+        "e.g. dict(attention_dropout=0.1).",
+    )
+    deferred: bool = _field(
+        True,
+        "Build the model under tessera.deferred_init(): each rank makes only what it keeps (same values); an hf: "
+        "folder's weights are read so either way.",
+    )
+    init: str = _field(
+        "random",
+        "Initial weights: 'random' (seeded; for an hf: folder with weights, the folder's), or a checkpoint folder "
+        "or .safetensors file.",
+    )
+
+    @property
+    def hf_path(self) -> str | None:
+        """The PATH of ``name = "hf:PATH"``; None for tessera's own models."""
+        return self.name[len(HF_PREFIX) :] if self.name.startswith(HF_PREFIX) else None
+
+    def validate(self, path: str) -> None:
+        if self.name != "gpt" and not self.name.startswith(HF_PREFIX):
+            raise ConfigError(
+                f"{path}name={self.name!r} is not a model tessera train builds; allowed: 'gpt' (the reference GPT) "
+                f"or '{HF_PREFIX}PATH' (a Hugging Face causal LM: a local folder or its config.json)"
+            )
+        if self.hf_path is not None and not self.hf_path.strip():
+            raise ConfigError(
+                f"{path}name={self.name!r} names no path: give '{HF_PREFIX}PATH', PATH a local folder with "
+                "config.json (and safetensors weights to fine-tune) or a config.json file"
+            )
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    name: Literal["python_bytes"] = _field(
-        "python_bytes", "Byte-level text of the Python standard library's source (no download)."
+    name: Literal["python_bytes", "text_files"] = _field(
+        "python_bytes",
+        "python_bytes: the Python standard library's source (no download); text_files: the files in `files`. "
+        "Read as bytes (the GPT's tokens), or tokenized by an hf: model's tokenizer when its folder has one.",
     )
-    seq_len: int | None = _field(None, "Tokens per sample; None: the model's max_seq_len.")
+    files: list[str] = _field_factory(
+        list,
+        "text_files: the text files, or folders (their files, recursively, in path order, hidden ones skipped), "
+        "joined by a newline; `tessera train --data PATH`.",
+    )
+    seq_len: int | None = _field(
+        None, "Tokens per sample; None: the model's max_seq_len (hf: its max_position_embeddings, at most 1024)."
+    )
     micro_batch_size: int = _field(16, "Samples per rank per micro-step (global batch = this x data x accumulation).")
     max_bytes: int = _field(4 * 2**20, "Bytes of corpus to read.")
     eval_fraction: float = _field(0.05, "Share of the corpus (its end) held out for evaluation.")
     shuffle: bool = _field(True, "Shuffle the training samples each epoch (the same order on every rank).")
 
     def validate(self, path: str) -> None:
+        if self.name == "text_files" and not self.files:
+            raise ConfigError(f"{path}name='text_files' needs {path}files: the text files or folders to read")
+        if self.name != "text_files" and self.files:
+            raise ConfigError(f"{path}files is read only with {path}name='text_files' (name is {self.name!r})")
         if self.seq_len is not None and self.seq_len < 1:
             raise ConfigError(f"{path}seq_len={self.seq_len} must be at least 1")
         if self.micro_batch_size < 1 or self.max_bytes < 1:
