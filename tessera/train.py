@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 import tessera
 from tessera import comm
 from tessera.config import Config, DataConfig, OptimizerConfig, default_run_dir
-from tessera.data import ByteSequences, load_byte_corpus
+from tessera.data import ByteSequences, load_byte_corpus, split_sequences
 from tessera.engine import (
     CheckpointHook,
     EvalHook,
@@ -143,16 +143,14 @@ def split_tokens(tokens: torch.Tensor, seq_len: int, data: DataConfig) -> tuple[
     set from the last ``data.eval_fraction`` of the tokens, the train set from the rest (as
     :func:`tessera.data.byte_datasets` splits the byte corpus). ConfigError when a part is
     shorter than one window."""
-    n_eval = int(len(tokens) * data.eval_fraction)
-    n_train = len(tokens) - n_eval
-    for name, size in (("train", n_train), ("eval", n_eval)):
-        if size < seq_len + 1:
-            raise ConfigError(
-                f"the {name} split has {size} tokens, fewer than data.seq_len + 1 = {seq_len + 1}: give more text "
-                f"(data.max_bytes={data.max_bytes}, data.files), a shorter data.seq_len, or another "
-                f"data.eval_fraction (={data.eval_fraction})"
-            )
-    return ByteSequences(tokens[:n_train], seq_len), ByteSequences(tokens[n_train:], seq_len)
+    hint = (
+        f"give more text (data.max_bytes={data.max_bytes}, data.files), a shorter data.seq_len, or another "
+        f"data.eval_fraction (={data.eval_fraction})"
+    )
+    try:
+        return split_sequences(tokens, seq_len, data.eval_fraction, hint)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 # ---- the recipe --------------------------------------------------------------------------------

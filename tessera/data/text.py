@@ -126,13 +126,22 @@ def byte_datasets(
         raise ValueError(f"max_bytes={max_bytes} must be at least 1")
     if not 0.0 < eval_fraction < 1.0:
         raise ValueError(f"eval_fraction={eval_fraction} must be strictly between 0 and 1")
-    corpus = load_byte_corpus(max_bytes)
-    n_eval = int(len(corpus) * eval_fraction)
-    n_train = len(corpus) - n_eval
+    hint = f"raise max_bytes (={max_bytes}) or adjust eval_fraction (={eval_fraction})"
+    return split_sequences(load_byte_corpus(max_bytes), seq_len, eval_fraction, hint)
+
+
+def split_sequences(
+    tokens: torch.Tensor, seq_len: int, eval_fraction: float, hint: str = ""
+) -> tuple[ByteSequences, ByteSequences]:
+    """Train and eval next-token windows of ``seq_len`` over the 1-D ``tokens``: the eval set from
+    the last ``eval_fraction`` of them, the train set from the rest. ValueError (ending with
+    ``hint``, what the caller's user can change) when a part is shorter than one window."""
+    n_eval = int(len(tokens) * eval_fraction)
+    n_train = len(tokens) - n_eval
     for name, size in (("train", n_train), ("eval", n_eval)):
         if size < seq_len + 1:
             raise ValueError(
-                f"the {name} split has {size} bytes, fewer than seq_len + 1 = {seq_len + 1}; "
-                f"raise max_bytes (={max_bytes}) or adjust eval_fraction (={eval_fraction})"
+                f"the {name} split has {size} tokens, fewer than seq_len + 1 = {seq_len + 1}"
+                + (f"; {hint}" if hint else "")
             )
-    return ByteSequences(corpus[:n_train], seq_len), ByteSequences(corpus[n_train:], seq_len)
+    return ByteSequences(tokens[:n_train], seq_len), ByteSequences(tokens[n_train:], seq_len)

@@ -78,7 +78,7 @@ def test_train_and_eval_split_the_corpus_without_overlap():
         (dict(seq_len=8, eval_fraction=0.0), "eval_fraction=0.0"),
         (dict(seq_len=8, eval_fraction=1.0), "eval_fraction=1.0"),
         (dict(seq_len=8, eval_fraction=-0.5), "eval_fraction=-0.5"),
-        (dict(seq_len=64, max_bytes=1000, eval_fraction=0.05), "eval split has 50 bytes"),
+        (dict(seq_len=64, max_bytes=1000, eval_fraction=0.05), "eval split has 50 tokens"),
     ],
 )
 def test_byte_datasets_rejects_bad_arguments(kwargs, message):
