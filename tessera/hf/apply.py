@@ -9,6 +9,7 @@ model class, the rule and the layouts that do work.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from tessera.context import ParallelContext
 from tessera.errors import ConfigError
 from tessera.hf import bert, gpt2, llama, vit
 from tessera.hf.policy import Policy, served
+from tessera.init.recording import recording_of
 
 __all__ = ["is_hf_model", "policy_for", "prepare", "registered"]
 
@@ -43,8 +45,11 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelCon
     pipeline stages (nothing to do with one tensor rank and one stage) and point ``optimizer``
     at the new parameters. Raises ConfigError when no policy serves the model, the mode, or the
     model's configuration."""
+    if not is_hf_model(model):
+        return model
+    _record_initialisation(model)
     pipelined, sequenced = ctx.size("pipeline") > 1, ctx.size("sequence") > 1
-    if (ctx.size("tensor") == 1 and not pipelined and not sequenced) or not is_hf_model(model):
+    if ctx.size("tensor") == 1 and not pipelined and not sequenced:
         return model
     policy = policy_for(model)
     if ctx.size("tensor") > 1:
@@ -54,6 +59,18 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelCon
     if pipelined:
         _cut_stages(model, ctx, policy)
     return model
+
+
+def _record_initialisation(model: nn.Module) -> None:
+    """A ``transformers`` model built under ``tessera.deferred_init()`` to be made with random
+    values: run its own weight initialisation into the recording (``initialize`` calls this
+    inside ``continue_recording``). transformers (5.x) skips ``_init_weights`` while the tensors
+    are on the meta device, which would leave torch's defaults (embeddings N(0, 1) where the
+    model draws N(0, 0.02)); a model whose values come from a folder is left alone."""
+    rec = recording_of(itertools.chain(model.parameters(), model.buffers()))
+    initialise = getattr(model, "initialize_weights", None)
+    if rec is not None and rec.values is None and callable(initialise):
+        initialise()
 
 
 def _split_sequences(model: nn.Module, ctx: ParallelContext, policy: Policy | None) -> None:

@@ -235,14 +235,8 @@ def build_model(lm: CausalLM, overrides: Mapping[str, Any] | None = None, *, def
     if not deferred:
         built: nn.Module = auto.from_config(lm.config, dtype=torch.float32)
         return built
-    with deferred_init():
+    with deferred_init():  # the model's own initialisation is recorded at initialize (tessera.hf.apply)
         built = auto.from_config(lm.config, dtype=torch.float32)
-        # transformers (5.x) skips the model's own _init_weights when tensors are made on the meta
-        # device, as they are here, leaving torch's defaults (embeddings N(0, 1)): run it into the
-        # recording so that the replay draws the model's initialisation
-        initialise = getattr(built, "initialize_weights", None) or getattr(built, "init_weights", None)
-        if callable(initialise):
-            initialise()
     return built
 
 
