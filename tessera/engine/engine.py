@@ -301,10 +301,7 @@ class Engine:
         in the global batch, adds ``loss_i * n_i / N`` (its backward scaled by the accumulation
         steps and replicas that the engine and the gradient reduction divide by again)."""
         self.zero_grad()
-        local = [self.local_tokens(_to_device(b, self.ctx.device)) for b in batches]
-        counts = torch.stack([self.loss_items(b).to(self.ctx.device) for b in local])
-        total = self._counted_over_replicas(counts)
-        scale = self.accumulation * self.ctx.replicas.size / total
+        local, counts, total, scale = self._counted_batches(batches)
         weighted = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         pending = None
         for micro, (batch, count) in enumerate(zip(local, counts, strict=True)):
@@ -316,6 +313,18 @@ class Engine:
             self.step()
         assert pending is not None
         return float(pending.wait()) / total
+
+    def _counted_batches(
+        self, batches: list[Mapping[str, Any]]
+    ) -> tuple[list[Mapping[str, Any]], torch.Tensor, int, float]:
+        """The step's dict micro-batches on this rank's device (its tokens of them), the items
+        each one's loss counts, their sum ``N`` over the micro-batches and replicas (a
+        collective), and the scale of ``loss_i * n_i`` that the micro-batches and replicas the
+        gradients are divided by again turn into ``loss_i * n_i / N``."""
+        local = [self.local_tokens(_to_device(b, self.ctx.device)) for b in batches]
+        counts = torch.stack([self.loss_items(b).to(self.ctx.device) for b in local])
+        total = self._counted_over_replicas(counts)
+        return local, counts, total, len(local) * self.ctx.replicas.size / total
 
     def _counted_over_replicas(self, counts: torch.Tensor) -> int:
         """The sum of ``counts`` over the micro-batches and the replicas (a collective)."""
@@ -369,10 +378,7 @@ class Engine:
         replicas, gives ``loss_i * n_i / N`` times the micro-batches and replicas that the
         schedule and the gradient reduction divide by again: the step's gradient and loss are
         those of the global batch in one process."""
-        local = [self.local_tokens(_to_device(b, self.ctx.device)) for b in batches]
-        counts = [self.loss_items(b).to(self.ctx.device) for b in local]
-        total = self._counted_over_replicas(torch.stack(counts))
-        scale = len(local) * self.ctx.replicas.size / total
+        local, counts, _, scale = self._counted_batches(batches)
 
         def weighed_loss(output: Any, target: tuple[Mapping[str, Any], torch.Tensor]) -> torch.Tensor:
             batch, count = target
