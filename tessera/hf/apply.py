@@ -40,10 +40,10 @@ def policy_for(model: nn.Module) -> Policy | None:
     return served().get(type(model).__name__)
 
 
-def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext) -> nn.Module:
+def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: ParallelContext) -> nn.Module:
     """Parallelize the ``transformers`` model ``model`` in place for ``ctx``'s tensor axis and
     pipeline stages (nothing to do with one tensor rank and one stage) and point ``optimizer``
-    at the new parameters. Raises ConfigError when no policy serves the model, the mode, or the
+    at the new parameters (None: a model for inference, without one). Raises ConfigError when no policy serves the model, the mode, or the
     model's configuration."""
     if not is_hf_model(model):
         return model
@@ -86,7 +86,7 @@ def _split_sequences(model: nn.Module, ctx: ParallelContext, policy: Policy | No
 
 
 def _split_tensors(
-    model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext, policy: Policy | None
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: ParallelContext, policy: Policy | None
 ) -> None:
     cls = type(model).__name__
     mode = ctx.dims.tensor_mode
@@ -112,9 +112,15 @@ def _split_tensors(
             f"{layout}: {cls} cannot be split this way: {'; '.join(broken)}. Layouts that work: a tensor "
             f"size that divides them, or {works}"
         )
-    _check_optimizer_fresh(optimizer)
+    if optimizer is not None:
+        _check_optimizer_fresh(optimizer)
+    # the policy maps parameters by id(): the old ones must outlive it (an optimizer keeps them
+    # alive; without one a freed parameter's id could be handed to a new one and alias them)
+    old = list(model.parameters())
     replaced = policy.apply(model, ctx)
-    _repoint(optimizer, replaced)
+    del old
+    if optimizer is not None:
+        _repoint(optimizer, replaced)
 
 
 def _cut_stages(model: nn.Module, ctx: ParallelContext, policy: Policy | None) -> None:

@@ -122,15 +122,17 @@ class GPT(nn.Module):
             x = block(x)
         return self.head(x)
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids -> the first block's input (token plus position embeddings)."""
+    def embed(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids -> the first block's input (token plus position embeddings). ``positions``
+        [batch, seq]: each token's position (generation, after cached tokens); default: the
+        tokens are a sequence's first ``seq``."""
         batch, seq = idx.shape  # this rank's tokens under sequence parallelism: global positions
-        positions = tnn.positions(seq, idx.device)
+        if positions is None:
+            positions = tnn.positions(seq, idx.device).expand(batch, seq)
         if int(positions.max()) >= self.config.max_seq_len:
             raise ValueError(
                 f"sequence length {int(positions.max()) + 1} exceeds max_seq_len={self.config.max_seq_len}"
             )
-        positions = positions.expand(batch, seq)
         return self.dropout(tnn.enter_sequence_parallel(self.tok_emb(idx) + self.pos_emb(positions)))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

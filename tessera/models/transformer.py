@@ -13,6 +13,10 @@ from tessera import nn as tnn
 from tessera.context.placement import placement_of
 from tessera.parallel.tensor.common import local_shard
 
+#: ``attend(q, k, v) -> y`` over ``[b, heads, s, head_dim]``: attention that replaces the
+#: block's own (``tessera.inference`` reads and writes its KV cache in one)
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 class SelfAttention(nn.Module):
     """Multi-head self-attention over this rank's heads: ``[b, s, h]`` in the mode's layout."""
@@ -31,14 +35,19 @@ class SelfAttention(nn.Module):
         self.out = tnn.Linear(d_model, d_model, input_is_parallel=True)
         self.out_dropout = tnn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attend: Attend | None = None) -> torch.Tensor:
+        """``attend(q, k, v) -> y`` (each ``[b, heads, s, head_dim]``) replaces the attention
+        over ``x``'s own tokens (generation passes one that reads a KV cache)."""
         qkv = self.qkv(x)  # [b, s, 3 * local heads * head_dim] (this rank's tokens of the sequence axis)
         batch, seq = qkv.shape[0], qkv.shape[1]
         q, k, v = qkv.chunk(3, dim=-1)
         heads = q.shape[-1] // self.head_dim
         q, k, v = (t.reshape(batch, seq, heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        with tnn.split_region_rng():  # attention dropout on this rank's heads
-            y = tnn.attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, causal=self.causal)
+        if attend is not None:
+            y = attend(q, k, v)
+        else:
+            with tnn.split_region_rng():  # attention dropout on this rank's heads
+                y = tnn.attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, causal=self.causal)
         return self.out_dropout(self.out(y.transpose(1, 2).reshape(batch, seq, heads * self.head_dim)))
 
 
@@ -74,8 +83,8 @@ class Block(nn.Module):
         self.ln_2 = tnn.LayerNorm(d_model, eps=eps)
         self.mlp = MLP(d_model, ff_dim, dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, attend: Attend | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), attend)
         return x + self.mlp(self.ln_2(x))
 
 

@@ -28,12 +28,14 @@ RANKS: dict[str, float] = {
     "models": 5.0,
     "hf": 5.0,  # policies that parallelize unmodified transformers models
     "data": 5.0,
+    "inference": 5.1,  # generation with a paged KV cache over models and hf
     "config": 6.0,  # builds the options of the layers below from a config
     "session": 6.1,  # the current run: context, config, tessera.initialize
     "launcher": 6.2,
     "__init__": 6.3,  # the public API (tessera.initialize, tessera.launch, ...)
     # applications of the public API
     "testing": 6.4,
+    "serve": 6.45,  # the HTTP server and the rank group behind it (bench serve measures it)
     "train": 6.5,
     "bench": 6.5,
     "cli": 6.6,

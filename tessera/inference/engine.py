@@ -1,0 +1,239 @@
+"""The generation engine: every rank runs the same steps over its part of the model.
+
+Rank 0 drives. It holds the :class:`~tessera.inference.scheduler.Scheduler` (requests, block
+tables) and sends each step's :class:`~tessera.inference.scheduler.StepPlan` to every rank; the
+other ranks follow the plans they receive. In a step the first pipeline stage embeds the new
+tokens, each stage runs its layers over the paged KV cache and passes the hidden states on, the
+last stage's logits are sampled by its first tensor rank (which keeps each request's random
+generator), and the chosen tokens are broadcast so rank 0 can record them.
+
+``generate`` runs a list of prompts to the end (every rank calls it, as with any collective);
+``serve`` is rank 0's loop behind the HTTP server, taking requests from a channel between steps
+(continuous batching) while the other ranks ``follow``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tessera.comm import broadcast, broadcast_object, recv, send
+from tessera.context import ParallelContext
+from tessera.inference.cache import BlockAllocator, KVPool, StepBatch
+from tessera.inference.models import Runner
+from tessera.inference.params import SamplingParams
+from tessera.inference.sampling import request_generator, sample
+from tessera.inference.scheduler import Output, Scheduler, StepPlan
+
+HEARTBEAT_S = 1.0  # an idle driver still sends a plan this often, so followers never time out
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """The KV cache and batch limits: ``num_blocks`` blocks of ``block_size`` token slots per
+    layer (every rank the same count, each for its own heads and layers), at most ``max_batch``
+    running sequences and ``max_prefill_tokens`` prompt tokens per prefill step."""
+
+    num_blocks: int = 256
+    block_size: int = 16
+    max_batch: int = 32
+    max_prefill_tokens: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "max_batch", "max_prefill_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+
+
+@dataclass(frozen=True)
+class Result:
+    """A finished request: its generated tokens and why it ended ("stop" or "length")."""
+
+    tokens: list[int]
+    finish_reason: str
+
+
+class InferenceEngine:
+    """Generation over this rank's :class:`~tessera.inference.models.Runner` (collective: every
+    rank of ``ctx`` builds one and takes part in every step)."""
+
+    def __init__(self, runner: Runner, ctx: ParallelContext, options: CacheOptions | None = None) -> None:
+        self.runner, self.ctx = runner, ctx
+        self.options = options or CacheOptions()
+        self.pool = KVPool(self.options.num_blocks, self.options.block_size, ctx.device)
+        self.world, self.pipeline = ctx.group("world"), ctx.group("pipeline")
+        self.driver = ctx.rank == 0
+        self.stage, self.stages = ctx.local_rank("pipeline"), ctx.size("pipeline")
+        self.sampler = self.world.size - ctx.size("tensor")  # the last stage's first tensor rank
+        self.samples = ctx.rank == self.sampler
+        self.scheduler: Scheduler | None = None
+        if self.driver:
+            allocator = BlockAllocator(self.options.num_blocks, self.options.block_size)
+            self.scheduler = Scheduler(
+                allocator,
+                max_len=runner.max_len,
+                max_batch=self.options.max_batch,
+                max_prefill_tokens=self.options.max_prefill_tokens,
+            )
+        self._generators: dict[str, torch.Generator | None] = {}
+        self._drawn = 0
+        self.steps = 0
+
+    # ---- one step, on every rank ------------------------------------------------------------
+    def run(self, plan: StepPlan) -> list[int]:
+        """Run ``plan`` on this rank's stage; every rank returns the sampled tokens."""
+        for request_id in plan.finished:
+            self._generators.pop(request_id, None)
+        batch = StepBatch.build(plan.new_tokens, plan.past, plan.block_tables, self.options.block_size, self.pool)
+        hidden = None
+        if not self.runner.first:
+            shape = (*batch.tokens.shape, self.runner.hidden_size)
+            hidden = recv(
+                torch.empty(shape, dtype=self.runner.dtype, device=self.ctx.device), self.pipeline, self.stage - 1
+            )
+        out = self.runner.forward(batch, hidden)
+        if not self.runner.last:
+            send(out.contiguous(), self.pipeline, self.stage + 1)
+        tokens = torch.zeros(len(plan.request_ids), dtype=torch.long, device=self.ctx.device)
+        if self.samples:
+            tokens = self._sample(plan, out).to(self.ctx.device)
+        if self.world.size > 1:
+            tokens = broadcast(tokens, self.world, src=self.sampler)
+        self.steps += 1
+        return tokens.tolist()
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor) -> torch.Tensor:
+        generators = []
+        for request_id, params in zip(plan.request_ids, plan.params):
+            if request_id not in self._generators:
+                self._generators[request_id] = request_generator(params, self._drawn)
+                self._drawn += 1
+            generators.append(self._generators[request_id])
+        return sample(logits, plan.params, generators)
+
+    # ---- rank 0 -------------------------------------------------------------------------------
+    def _scheduler(self) -> Scheduler:
+        if self.scheduler is None:
+            raise RuntimeError("only rank 0 takes requests: the other ranks follow its plans")
+        return self.scheduler
+
+    def add_request(self, request_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
+        self._scheduler().add(request_id, list(prompt), params)
+
+    def abort(self, request_id: str) -> bool:
+        return self._scheduler().abort(request_id)
+
+    def step(self) -> list[Output]:
+        """Rank 0: plan a step, send it to every rank, run it and return the outputs."""
+        scheduler = self._scheduler()
+        plan = scheduler.next_plan()
+        self._send(plan)
+        if plan.kind == "idle":
+            return []
+        return scheduler.update(plan, self.run(plan))
+
+    def _send(self, plan: StepPlan) -> None:
+        if self.world.size > 1:
+            broadcast_object(plan, self.world, src=0)
+
+    def finish(self, kind: str = "done") -> None:
+        """Rank 0: end the followers' loop (``"done"``: a ``generate`` call; ``"stop"``: serving)."""
+        self._send(StepPlan(kind))
+
+    @property
+    def kv_blocks_used(self) -> int:
+        return self._scheduler().allocator.used
+
+    # ---- the other ranks ----------------------------------------------------------------------
+    def follow(self) -> str:
+        """Run rank 0's plans until it says "done" or "stop"; returns which."""
+        while True:
+            plan: StepPlan = broadcast_object(None, self.world, src=0)
+            if plan.kind in ("done", "stop"):
+                return plan.kind
+            if plan.kind == "idle":
+                for request_id in plan.finished:
+                    self._generators.pop(request_id, None)
+                continue
+            self.run(plan)
+
+    # ---- whole runs ---------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        *,
+        arrivals: Sequence[int] | None = None,
+    ) -> list[Result]:
+        """Generate for every prompt (collective: every rank calls it with the same arguments and
+        gets the results). ``arrivals[i]``: the step before which request ``i`` joins (default 0:
+        all at once), to exercise continuous batching."""
+        each = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(each) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(each)} sampling parameters")
+        results: list[Result | None] = [None] * len(prompts)
+        if self.driver:
+            self._drive(prompts, each, list(arrivals) if arrivals is not None else [0] * len(prompts), results)
+            self.finish("done")
+        else:
+            self.follow()
+        if self.world.size > 1:
+            results = broadcast_object(results if self.driver else None, self.world, src=0)
+        return [r for r in results if r is not None]
+
+    def _drive(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: list[SamplingParams],
+        arrivals: list[int],
+        results: list[Result | None],
+    ) -> None:
+        scheduler = self._scheduler()
+        ids = [f"generate-{i}" for i in range(len(prompts))]
+        index = {request_id: i for i, request_id in enumerate(ids)}
+        made: dict[str, list[int]] = {request_id: [] for request_id in ids}
+        order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
+        step, next_new = 0, 0
+        while next_new < len(order) or scheduler.has_work:
+            while next_new < len(order) and arrivals[order[next_new]] <= step:
+                i = order[next_new]
+                scheduler.add(ids[i], list(prompts[i]), params[i])
+                next_new += 1
+            for out in self.step():
+                if out.token is not None:
+                    made[out.request_id].append(out.token)
+                if out.finish_reason is not None:
+                    results[index[out.request_id]] = Result(made[out.request_id], out.finish_reason)
+            step += 1
+
+    def serve(self, receive: Callable[[float], list[Any]], emit: Callable[[list[Output]], None]) -> None:
+        """Rank 0's loop behind the server: ``receive(timeout)`` returns the messages that came
+        in (``("add", id, prompt, params)``, ``("abort", id)``, ``("stop",)``), waiting up to
+        ``timeout`` seconds when there is nothing to run; ``emit`` takes each step's outputs.
+        A request that cannot run is answered with an output whose finish reason is
+        ``"error: <why>"``."""
+        scheduler = self._scheduler()
+        last_sent = time.monotonic()
+        while True:
+            timeout = 0.0 if scheduler.has_work else HEARTBEAT_S
+            for message in receive(timeout):
+                if message[0] == "stop":
+                    self.finish("stop")
+                    return
+                if message[0] == "abort":
+                    scheduler.abort(message[1])
+                elif message[0] == "add":
+                    _, request_id, prompt, params = message
+                    try:
+                        scheduler.add(request_id, list(prompt), params)
+                    except ValueError as exc:
+                        emit([Output(request_id, None, f"error: {exc}")])
+            if scheduler.has_work or time.monotonic() - last_sent >= HEARTBEAT_S:
+                outputs = self.step()
+                last_sent = time.monotonic()
+                if outputs:
+                    emit(outputs)

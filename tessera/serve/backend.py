@@ -1,0 +1,67 @@
+"""What the HTTP server needs from whatever runs the model: the ``Backend`` protocol.
+
+The server (``tessera.serve.app``) speaks text and OpenAI's JSON; a backend speaks token ids.
+:class:`tessera.serve.ranks.RankBackend` is the real one: it starts the rank group that runs
+``tessera.inference`` and talks to rank 0 over a local connection. Tests of the HTTP layer alone
+may pass any object with these members.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from tessera.inference.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """New tokens of one request. ``finish_reason`` is set on a request's last chunk:
+    ``"stop"`` (a stop token), ``"length"`` (max_tokens or the context is full) or
+    ``"abort"`` (cancelled, or the engine failed: ``error`` says why)."""
+
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the server tells clients about the model."""
+
+    name: str
+    max_model_len: int  # prompt plus generated tokens
+    vocab_size: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Tokenizer(Protocol):
+    """The part of a tokenizer the server uses (a ``transformers`` tokenizer has these; a
+    byte-level model uses :class:`tessera.inference.text.ByteTokenizer`)."""
+
+    eos_token_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class Backend(Protocol):
+    """Runs requests. ``generate`` yields a request's chunks as they are made, ending with the
+    one that has a ``finish_reason``; leaving the iteration early (a client that went away)
+    must free the request's KV blocks (``abort``)."""
+
+    info: ModelInfo
+    tokenizer: Tokenizer
+
+    def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[Chunk]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> dict[str, float]:
+        """Engine gauges for /metrics: ``running``, ``waiting`` (queue length), ``kv_blocks_used``,
+        ``kv_blocks_total``."""
+        ...
+
+    async def close(self) -> None: ...
