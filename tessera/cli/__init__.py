@@ -1,4 +1,4 @@
-"""The ``tessera`` command: run, train, check, bench, ckpt.
+"""The ``tessera`` command: run, train, check, bench, ckpt, serve, generate.
 
 Importing this module does not import torch: ``--help`` and ``--version`` answer at once, and
 ``train`` checks its config and layout before torch is loaded.
@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from tessera.cli import ckpt
+from tessera.cli import serve as serving
 from tessera.errors import TesseraError
 
 
@@ -131,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
         "sequence parallelism and ZeRO, configured from a file.",
     )
     parser.add_argument("--version", action="version", version=f"tessera {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="{run,train,check,bench,ckpt}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,train,check,bench,ckpt,serve,generate}")
     sub.required = True
 
     sub.add_parser(
@@ -211,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=_cmd_bench)
 
     ckpt.add_parser(sub)
+    serving.add_parsers(sub)
     return parser
 
 

@@ -213,14 +213,17 @@ class InferenceEngine:
     def serve(self, receive: Callable[[float], list[Any]], emit: Callable[[list[Output]], None]) -> None:
         """Rank 0's loop behind the server: ``receive(timeout)`` returns the messages that came
         in (``("add", id, prompt, params)``, ``("abort", id)``, ``("stop",)``), waiting up to
-        ``timeout`` seconds when there is nothing to run; ``emit`` takes each step's outputs.
+        ``timeout`` seconds when there is nothing to run; ``emit`` takes each step's outputs
+        (possibly none: the caller reads the scheduler's gauges then).
         A request that cannot run is answered with an output whose finish reason is
         ``"error: <why>"``."""
         scheduler = self._scheduler()
         last_sent = time.monotonic()
         while True:
             timeout = 0.0 if scheduler.has_work else HEARTBEAT_S
-            for message in receive(timeout):
+            messages = receive(timeout)
+            refused: list[Output] = []
+            for message in messages:
                 if message[0] == "stop":
                     self.finish("stop")
                     return
@@ -231,9 +234,10 @@ class InferenceEngine:
                     try:
                         scheduler.add(request_id, list(prompt), params)
                     except ValueError as exc:
-                        emit([Output(request_id, None, f"error: {exc}")])
+                        refused.append(Output(request_id, None, f"error: {exc}"))
+            if messages:
+                emit(refused)  # also reports the gauges after aborts
             if scheduler.has_work or time.monotonic() - last_sent >= HEARTBEAT_S:
                 outputs = self.step()
                 last_sent = time.monotonic()
-                if outputs:
-                    emit(outputs)
+                emit(outputs)

@@ -31,6 +31,7 @@ from tessera.errors import ConfigError
 from tessera.hf import prepare as prepare_hf
 from tessera.hf.apply import is_hf_model
 from tessera.inference.cache import StepBatch, paged_attention
+from tessera.inference.quantize import quantize_int8
 from tessera.init.materialise import Source, capture, check_recording, loadable, materialise
 from tessera.init.recording import continue_recording, recording_of
 from tessera.memory.deferred import to_device
@@ -84,11 +85,17 @@ def _stage_range(layers: list[nn.Module], ctx: ParallelContext) -> tuple[int, in
     return chunk_ranges(boundaries, len(layers))[ctx.local_rank("pipeline")]
 
 
-def prepare_model(model: nn.Module, ctx: ParallelContext, init: Source = "random") -> Runner:
+def prepare_model(
+    model: nn.Module, ctx: ParallelContext, init: Source = "random", *, quantize: str | None = None
+) -> Runner:
     """Lay ``model`` (tessera's GPT, built under ``ctx``, or a ``transformers`` causal LM) out for
     ``ctx``, fill this rank's part from ``init`` (``"random"``: a deferred model's recorded
     construction; a tessera checkpoint folder or full-state ``.safetensors`` file; for a model
-    from ``tessera.hf.from_pretrained``, ``"random"`` reads its folder) and return its runner."""
+    from ``tessera.hf.from_pretrained``, ``"random"`` reads its folder) and return its runner.
+    ``quantize="int8"``: this rank's linear layers get int8 weights with per-channel scales
+    (:func:`tessera.inference.quantize.quantize_int8`)."""
+    if quantize not in (None, "int8"):
+        raise ConfigError(f"quantize={quantize!r}: tessera quantizes weights to 'int8' (or None: full precision)")
     if ctx.size("sequence") > 1 or ctx.size("data") > 1:
         raise ConfigError(
             "generation runs under tensor and pipeline parallelism: set parallel.sequence.size=1 and "
@@ -115,10 +122,17 @@ def prepare_model(model: nn.Module, ctx: ParallelContext, init: Source = "random
     kept = {id(p) for layer in layers[start:end] for p in layer.parameters()}
     _fill(model, _Holding(model, kept, ctx), ctx, init)
     model.eval()
+    if quantize == "int8":  # this stage's layers (another stage's weights were never made here)
+        quantize_int8(model, skip=_not_made)
     if hf:
         return HFRunner(model, layers[start:end], start == 0, end == len(layers), ctx)
     assert isinstance(model, GPT)
     return GPTRunner(model, start, end, ctx)
+
+
+def _not_made(_: str, module: nn.Module) -> bool:
+    weight = module._parameters.get("weight")
+    return weight is not None and weight.is_meta
 
 
 def _pipeline_layers(model: nn.Module, ctx: ParallelContext) -> list[nn.Module]:

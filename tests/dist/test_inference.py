@@ -195,3 +195,43 @@ def test_sampled_requests_are_reproducible_by_seed_whatever_they_run_with(pools,
     for alone, together, unseeded in pools.run(2, seeded, saved):
         assert alone == together
         assert unseeded[0] != unseeded[1]
+
+
+INT8_TOLERANCE = 2e-2  # max |logit - fp32 logit| / max |fp32 logit|; int8 per-channel weights measure ~1e-2 here
+
+
+def int8_logits(saved: dict[str, Path], references: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per family, the relative error of the int8 model's prefill logits under tp2 against the
+    fp32 reference's (whose weights are checked to be int8)."""
+    from tessera.inference.cache import KVPool, StepBatch
+    from tessera.inference.models import prepare_model
+
+    ctx = use_layout(pipeline=1, tensor=2, data=1)
+    errors = {}
+    for family in ("gpt", "gpt2", "llama"):
+        if family == "gpt":
+            with tessera.deferred_init():
+                model = gpt("tiny", **GPT_FIELDS)
+            runner = prepare_model(model, ctx, init=str(saved["gpt"]), quantize="int8")
+        else:
+            model = tessera.hf.from_pretrained(saved[family])
+            runner = prepare_model(model, ctx, quantize="int8")
+        assert any(b.dtype == torch.int8 for b in model.buffers())
+        batch = StepBatch.build(PROMPTS, [0] * len(PROMPTS), [[0, 1], [2], [3], [4]], 8, KVPool(8, 8))
+        got, want = runner.forward(batch, None), references[family]
+        errors[family] = float((got - want).abs().max() / want.abs().max())
+    return errors
+
+
+def _last_logits(model, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]))
+    return (out if isinstance(out, torch.Tensor) else out.logits)[0, -1]
+
+
+def test_int8_weights_keep_the_logits_within_the_stated_tolerance(pools, saved):
+    models = {"gpt": gpt_reference(), "gpt2": hf_reference("gpt2"), "llama": hf_reference("llama")}
+    references = {family: torch.stack([_last_logits(m, p) for p in PROMPTS]) for family, m in models.items()}
+    for errors in pools.run(2, int8_logits, saved, references):
+        for family, error in errors.items():
+            assert 0 < error < INT8_TOLERANCE, f"{family}: relative logit error {error:.4f}"
