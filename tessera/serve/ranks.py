@@ -78,7 +78,13 @@ class RankBackend:
         self._conn: Connection | None = None
         self._send_lock = threading.Lock()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Chunk]]] = {}
-        self._stats: dict[str, float] = {"running": 0, "waiting": 0, "kv_blocks_used": 0, "kv_blocks_total": 0}
+        self._stats: dict[str, float] = {
+            "running": 0,
+            "waiting": 0,
+            "kv_blocks_used": 0,
+            "kv_blocks_total": 0,
+            "steps": 0,
+        }
         self._ids = itertools.count()
         self.failure: str | None = None
         self._start_timeout = start_timeout
@@ -330,6 +336,7 @@ def _serve(engine: Any, conn: Connection) -> None:
             "waiting": float(len(scheduler.waiting)),
             "kv_blocks_used": float(scheduler.allocator.used),
             "kv_blocks_total": float(scheduler.allocator.num_blocks),
+            "steps": float(engine.steps),
         }
         conn.send(("out", [(o.request_id, o.token, o.finish_reason) for o in outputs], stats))
 
