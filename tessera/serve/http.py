@@ -7,7 +7,6 @@ uvicorn is imported when a server starts, so ``check_host`` works without the ``
 from __future__ import annotations
 
 import ipaddress
-import logging
 import sys
 import threading
 import time
@@ -19,8 +18,6 @@ from tessera.errors import ConfigError
 
 if TYPE_CHECKING:
     import uvicorn
-
-log = logging.getLogger(__name__)
 
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
 # After Ctrl-C, streams in flight get this long to finish before they are cancelled (and
@@ -66,14 +63,16 @@ def check_host(host: str, explicit: bool) -> str | None:
 
 
 def run_server(app: Any, host: str, port: int, *, warn_public: bool) -> None:
-    """Serve ``app`` with uvicorn until Ctrl-C (blocks). ``warn_public``: log
-    :func:`check_host`'s warning when ``host`` is not a loopback address."""
+    """Serve ``app`` with uvicorn until Ctrl-C (blocks). ``warn_public``: print
+    :func:`check_host`'s warning to stderr when ``host`` is not a loopback address."""
     uvicorn = require_uvicorn()
     if warn_public and (warning := check_host(host, explicit=True)):
-        log.warning(warning)
-        print(f"warning: {warning}", file=sys.stderr)
+        print(f"tessera serve: warning: {warning}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
-    uvicorn.Server(config).run()
+    try:
+        uvicorn.Server(config).run()
+    except KeyboardInterrupt:  # uvicorn shuts down on Ctrl-C, then raises it again: the normal end
+        pass
 
 
 def url_of(host: str, port: int) -> str:
