@@ -85,10 +85,12 @@ def _log_dir(kind: str) -> Path:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from tessera.serve.app import Limits, create_app
-    from tessera.serve.http import check_host, run_server
+    from tessera.serve.http import check_host, run_server, url_of
 
     host = args.host or "127.0.0.1"
     warning = check_host(host, explicit=args.host is not None)
+    if warning:
+        print(f"tessera serve: warning: {warning}", file=sys.stderr, flush=True)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     backend = _backend(args, _log_dir("serve"))
     print(f"tessera serve: loading {args.source} on {args.nproc} rank(s) ...", file=sys.stderr, flush=True)
@@ -99,16 +101,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_concurrent_requests=args.max_concurrent,
     )
     app = create_app(backend, served_name=args.served_name or backend.info.name, limits=limits, api_key=api_key)
-    if warning:
-        print(f"tessera serve: warning: {warning}", file=sys.stderr, flush=True)
     print(
-        f"tessera serve: {backend.info.name} on http://{host}:{args.port}/v1 "
+        f"tessera serve: {backend.info.name} on {url_of(host, args.port)}/v1 "
         f"({'API key required' if api_key else 'no API key'})",
         file=sys.stderr,
         flush=True,
     )
     try:
-        run_server(app, host, args.port, warn_public=warning is not None)
+        run_server(app, host, args.port, warn_public=False)  # warned above, before loading
     finally:
         backend.close_now()
     return 0

@@ -50,7 +50,8 @@ class Tokenizer(Protocol):
 class Backend(Protocol):
     """Runs requests. ``generate`` yields a request's chunks as they are made, ending with the
     one that has a ``finish_reason``; leaving the iteration early (a client that went away)
-    must free the request's KV blocks (``abort``)."""
+    must free the request's KV blocks. ``abort`` of a request that is unknown or already
+    finished does nothing (the server may abort a request its iterator also cancels)."""
 
     info: ModelInfo
     tokenizer: Tokenizer
