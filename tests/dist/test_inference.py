@@ -235,3 +235,28 @@ def test_int8_weights_keep_the_logits_within_the_stated_tolerance(pools, saved):
     for errors in pools.run(2, int8_logits, saved, references):
         for family, error in errors.items():
             assert 0 < error < INT8_TOLERANCE, f"{family}: relative logit error {error:.4f}"
+
+
+def from_a_tessera_checkpoint(saved: dict[str, Path], folder: str) -> list[list[int]]:
+    """Save a sharded checkpoint from a tp2 training engine, then generate under pp2 from it."""
+    from tessera.checkpoint import save
+    from tessera.inference.params import SamplingParams
+
+    use_layout(tensor=2, data=1, config={"parallel": {"data": 1, "tensor": {"size": 2, "mode": "1d"}}})
+    with tessera.deferred_init():
+        model = gpt("tiny", **GPT_FIELDS)
+    trained, *_ = tessera.initialize(model, torch.optim.SGD(model.parameters(), lr=0.0), init=str(saved["gpt"]))
+    save(folder, trained)
+    ctx = use_layout(pipeline=2, tensor=1, data=1)
+    from tessera.inference.engine import CacheOptions, InferenceEngine
+    from tessera.inference.models import prepare_model
+
+    with tessera.deferred_init():
+        model = gpt("tiny", **GPT_FIELDS)
+    engine = InferenceEngine(prepare_model(model, ctx, init=folder), ctx, CacheOptions(num_blocks=64, block_size=8))
+    return [r.tokens for r in engine.generate(PROMPTS, SamplingParams(max_tokens=NEW, temperature=0.0))]
+
+
+def test_a_tessera_checkpoint_saved_under_tp2_generates_under_pp2(pools, saved, expected, tmp_path):
+    for tokens in pools.run(2, from_a_tessera_checkpoint, saved, str(tmp_path / "ckpt")):
+        assert tokens == expected["gpt"]
