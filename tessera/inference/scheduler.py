@@ -136,7 +136,7 @@ class Scheduler:
             return self._plan("prefill", admitted, [seq.prompt for seq in admitted])
         if self.running:
             seqs = list(self.running.values())
-            return self._plan("decode", seqs, [seq.tokens[-1:] for seq in seqs])
+            return self._plan("decode", seqs, [seq.generated[-1:] or seq.prompt[-1:] for seq in seqs])
         return StepPlan("idle", finished=self._take_ended())
 
     def _plan(self, kind: str, seqs: list[Sequence], new: list[list[int]]) -> StepPlan:
@@ -168,7 +168,7 @@ class Scheduler:
                 outputs.append(self._finish(seq, None, "stop"))
                 continue
             seq.generated.append(token)
-            if len(seq.generated) >= seq.params.max_tokens or len(seq.tokens) >= self.max_len:
+            if len(seq.generated) >= seq.params.max_tokens or len(seq.prompt) + len(seq.generated) >= self.max_len:
                 outputs.append(self._finish(seq, token, "length"))
             else:
                 outputs.append(Output(request_id, token, None))
