@@ -76,6 +76,7 @@ BENCH_TARGETS: dict[str, str] = {  # name -> "module:function"; each strategy ad
     "sp": "tessera.bench.sp:main",
     "recompute": "tessera.bench.recompute:main",
     "hf": "tessera.bench.hf:main",
+    "serve": "tessera.bench.serve:main",
 }
 
 # name -> what it measures, how long it takes on 2 CPU cores, what it needs
@@ -101,6 +102,9 @@ BENCH_HELP: dict[str, str] = {
     "hf": "an unmodified transformers LLaMA under 1D tp4 vs torch parallelize_module and DeepSpeed AutoTP, "
     "4 ranks: step time, tokens/s and the loss trajectories (about 1.5 min); needs the hf extra, the DeepSpeed rows "
     "the bench extra",
+    "serve": "generation: greedy tokens/s of tessera's engine vs HF generate on the same LLaMA at batch 1 and 16, "
+    "and time to first token of the OpenAI server under 8 concurrent streaming clients, 1 process and 1 rank "
+    "(about 1 min); needs the hf and serve extras and httpx",
 }
 
 
