@@ -17,7 +17,7 @@ their slots, gathers each sequence's whole history and attends with a causal mas
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -111,6 +111,10 @@ class StepBatch:
     mask: torch.Tensor | None
     pool: KVPool
     causal: bool = False  # mask None and T == L: query row t sees slots 0..t
+    read_flat: torch.Tensor = field(init=False)  # read_slots.view(-1), what every layer gathers
+
+    def __post_init__(self) -> None:
+        self.read_flat = self.read_slots.view(-1)
 
     @classmethod
     def build(
@@ -124,31 +128,33 @@ class StepBatch:
         """The batch of sequences ``s`` with ``new_tokens[s]`` after ``past[s]`` cached tokens,
         whose slots are in ``block_tables[s]`` (enough blocks for ``past[s] + len(new_tokens[s])``).
 
-        It runs once per step, between the model's forwards, so its indices are whole-batch numpy
-        operations (a few microseconds each on small arrays, where a torch op costs several)
-        handed to torch at the end."""
+        It runs once per step, between the model's forwards (with the caches cold), so it makes
+        its indices with few whole-batch numpy calls and hands them to torch at the end."""
         count = len(new_tokens)
-        lengths = np.fromiter(map(len, new_tokens), np.int64, count)
-        befores = np.asarray(past, dtype=np.int64)
-        totals = befores + lengths
-        short = np.flatnonzero(np.fromiter(map(len, block_tables), np.int64, count) * block_size < totals)
-        if short.size:
-            s = int(short[0])
-            raise ValueError(f"sequence {s}: {len(block_tables[s])} KV blocks hold fewer than its {totals[s]} tokens")
-        width, history = int(lengths.max()), int(totals.max())
-        padded = int(lengths.min()) != width
-        pad = width - lengths[:, None]  # [S, 1]
-        real = np.arange(width) >= pad  # [S, T]
-        if padded:
+        lengths = [len(t) for t in new_tokens]
+        totals = [before + n for before, n in zip(past, lengths)]
+        for s, (table, total) in enumerate(zip(block_tables, totals)):
+            if len(table) * block_size < total:
+                raise ValueError(f"sequence {s}: {len(table)} KV blocks hold fewer than its {total} tokens")
+        width, history, shortest = max(lengths), max(totals), min(totals)
+        read_slots = _history_slots(block_tables, totals, history, block_size)
+        write_rows = None
+        if min(lengths) != width:  # left padding
+            pad = width - np.array(lengths)[:, None]  # [S, 1]
+            real = np.arange(width) >= pad  # [S, T]
             tokens = np.array([[0] * (width - len(t)) + list(t) for t in new_tokens], dtype=np.int64)
-            positions = np.where(real, befores[:, None] + np.arange(width) - pad, 0)
+            positions = np.where(real, np.array(past)[:, None] + np.arange(width) - pad, 0)
+            write_slots = np.take_along_axis(read_slots, positions, axis=1)[real]
+            write_rows = _tensor(np.flatnonzero(real), pool.device)
         else:
             tokens = np.array(new_tokens, dtype=np.int64).reshape(count, width)
-            positions = befores[:, None] + np.arange(width)
-        read_slots = _history_slots(block_tables, totals, history, block_size)
-        write_slots = np.take_along_axis(read_slots, positions, axis=1)  # [S, T]
-        plain_decode = width == 1 and int(totals.min()) == history
-        plain_prefill = not padded and history == width  # every past is 0
+            positions = np.array(past, dtype=np.int64)[:, None] + np.arange(width)
+            if shortest == history:  # every sequence's new tokens end its history
+                write_slots = read_slots[:, history - width :].reshape(-1)
+            else:
+                write_slots = np.take_along_axis(read_slots, positions, axis=1).reshape(-1)
+        plain_decode = width == 1 and shortest == history
+        plain_prefill = write_rows is None and history == width  # every past is 0
         mask = None
         if not (plain_decode or plain_prefill):
             # a padding row has position 0, so it sees slot 0 alone: no empty softmax (its output is unused)
@@ -156,8 +162,8 @@ class StepBatch:
         return cls(
             tokens=_tensor(tokens, pool.device),
             positions=_tensor(positions, pool.device),
-            write_rows=_tensor(np.flatnonzero(real), pool.device) if padded else None,
-            write_slots=_tensor(write_slots[real] if padded else write_slots.reshape(-1), pool.device),
+            write_rows=write_rows,
+            write_slots=_tensor(write_slots, pool.device),
             read_slots=_tensor(read_slots, pool.device),
             mask=mask,
             pool=pool,
@@ -166,18 +172,15 @@ class StepBatch:
 
 
 def _history_slots(
-    block_tables: Sequence[Sequence[int]], totals: np.ndarray, history: int, block_size: int
+    block_tables: Sequence[Sequence[int]], totals: Sequence[int], history: int, block_size: int
 ) -> np.ndarray:
     """``[S, history]``: the pool slots of positions ``0 .. totals[s]-1`` of each sequence, then 0."""
     blocks = -(-history // block_size)
-    if all(len(t) >= blocks for t in block_tables):
-        table = np.array([t[:blocks] for t in block_tables], dtype=np.int64).reshape(len(block_tables), blocks)
-    else:
-        table = np.array([list(t[:blocks]) + [0] * (blocks - len(t[:blocks])) for t in block_tables], dtype=np.int64)
-    position = np.arange(history)
-    slots = table[:, position // block_size] * block_size + position % block_size
-    if int(totals.min()) != history:
-        slots[position >= totals[:, None]] = 0
+    rows = [t[:blocks] if len(t) >= blocks else [*t, *[0] * (blocks - len(t))] for t in block_tables]
+    table = np.array(rows, dtype=np.int64).reshape(len(rows), blocks)
+    slots = (table[:, :, None] * block_size + np.arange(block_size)).reshape(len(rows), -1)[:, :history]
+    if min(totals) != history:
+        slots = np.where(np.arange(history) < np.array(totals)[:, None], slots, 0)
     return slots
 
 
@@ -196,16 +199,18 @@ def paged_attention(
     ``Hq`` a multiple of ``Hkv``) -> ``[S, Hq, T, D]``. Writes the real new keys and values
     into layer ``layer``'s pool first, so a prefill attends to its own tokens."""
     count, kv_heads, width, dim = k.shape
-    keys, values = batch.pool.layer(layer, k.transpose(1, 2))
-    new_k = _same_dtype(k.transpose(1, 2).reshape(count * width, kv_heads, dim), keys.dtype)
-    new_v = _same_dtype(v.transpose(1, 2).reshape(count * width, kv_heads, dim), values.dtype)
+    new_k = k.transpose(1, 2).reshape(count * width, kv_heads, dim)
+    new_v = v.transpose(1, 2).reshape(count * width, kv_heads, dim)
+    keys, values = batch.pool.layer(layer, new_k)
+    new_k, new_v = _same_dtype(new_k, keys.dtype), _same_dtype(new_v, values.dtype)
     if batch.write_rows is not None:  # leave the padding out
         new_k, new_v = new_k.index_select(0, batch.write_rows), new_v.index_select(0, batch.write_rows)
     keys.index_copy_(0, batch.write_slots, new_k)
     values.index_copy_(0, batch.write_slots, new_v)
-    slots, history = batch.read_slots.view(-1), batch.read_slots.shape[1]
-    past_k = _same_dtype(keys.index_select(0, slots), q.dtype).view(count, history, kv_heads, dim).transpose(1, 2)
-    past_v = _same_dtype(values.index_select(0, slots), q.dtype).view(count, history, kv_heads, dim).transpose(1, 2)
+    history = batch.read_slots.shape[1]
+    past_k = _same_dtype(keys.index_select(0, batch.read_flat), q.dtype).view(count, history, kv_heads, dim)
+    past_v = _same_dtype(values.index_select(0, batch.read_flat), q.dtype).view(count, history, kv_heads, dim)
+    past_k, past_v = past_k.transpose(1, 2), past_v.transpose(1, 2)  # [S, Hkv, L, D]
     groups = q.shape[1] // kv_heads
     gqa = groups > 1 and _SDPA_GQA and q.device.type == "cpu"  # CPU kernels take the key heads as they are
     if groups > 1 and not gqa:  # grouped-query attention: each key head serves `groups` query heads

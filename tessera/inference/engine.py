@@ -101,15 +101,18 @@ class InferenceEngine:
         out = self.runner.forward(batch, hidden)
         if not self.runner.last:
             send(out.contiguous(), self.pipeline, self.stage + 1)
-        tokens = torch.zeros(len(plan.request_ids), dtype=torch.long, device=self.ctx.device)
         if self.samples:
             tokens = self._sample(plan, out).to(self.ctx.device)
+        else:
+            tokens = torch.zeros(len(plan.request_ids), dtype=torch.long, device=self.ctx.device)
         if self.world.size > 1:
             tokens = broadcast(tokens, self.world, src=self.sampler)
         self.steps += 1
         return tokens.tolist()
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> torch.Tensor:
+        if all(params.greedy for params in plan.params):  # no generators: sample()'s greedy rows in one call
+            return logits.argmax(dim=-1)
         generators = []
         for request_id, params in zip(plan.request_ids, plan.params):
             if request_id not in self._generators:
