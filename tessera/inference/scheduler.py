@@ -112,6 +112,8 @@ class Scheduler:
         return sum(self.allocator.blocks_for(s.budget) - len(s.blocks) for s in self.running.values())
 
     def _admit(self) -> list[Sequence]:
+        if not self.waiting:
+            return []
         admitted: list[Sequence] = []
         spare = self.allocator.free - self._promised()
         tokens = 0
@@ -148,7 +150,7 @@ class Scheduler:
         return StepPlan(
             kind,
             request_ids=tuple(s.request_id for s in seqs),
-            new_tokens=tuple(tuple(t) for t in new),
+            new_tokens=tuple(map(tuple, new)),
             past=tuple(s.cached for s in seqs),
             block_tables=tuple(tuple(s.blocks) for s in seqs),
             params=tuple(s.params for s in seqs),
