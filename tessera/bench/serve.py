@@ -71,7 +71,7 @@ class Workload:
 
     @property
     def tag(self) -> str:
-        return f"llama h{self.hidden} l{self.layers} v{self.vocab} p{self.prompt} n{self.new_tokens}"
+        return f"llama h{self.hidden} l{self.layers} {self.prompt}+{self.new_tokens}"
 
 
 def build_model(w: Workload) -> torch.nn.Module:

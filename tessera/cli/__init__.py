@@ -104,7 +104,7 @@ BENCH_HELP: dict[str, str] = {
     "the bench extra",
     "serve": "generation: greedy tokens/s of tessera's engine vs HF generate on the same LLaMA at batch 1 and 16, "
     "and time to first token of the OpenAI server under 8 concurrent streaming clients, 1 process and 1 rank "
-    "(about 1 min); needs the hf and serve extras and httpx",
+    "(about 20 s); needs the hf and serve extras and httpx",
 }
 
 

@@ -21,7 +21,7 @@ TINY = serve.Workload(
 
 def test_bench_serve_rows(tmp_path):
     data = check(serve.run(TINY), tmp_path, {"tokens_per_s", "ttft_median_s", "ttft_p90_s"})
-    tag = "llama h32 l2 v256 p6 n6"
+    tag = "llama h32 l2 6+6"
     assert [(row["name"], row["metric"], row["anchor"]) for row in data] == [
         (f"decode {tag} b1", "tokens_per_s", serve.HF_GENERATE),
         (f"decode {tag} b3", "tokens_per_s", serve.HF_GENERATE),
