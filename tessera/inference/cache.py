@@ -4,7 +4,7 @@ attention that reads a sequence's keys and values through its table.
 Every rank keeps the keys and values of its own layers (its pipeline stage) and its own heads
 (its tensor-parallel block) in one pool per layer, ``[num_blocks * block_size, kv_heads,
 head_dim]``. Which blocks a sequence owns is decided once, by the scheduler on rank 0, and
-travels with each step's :class:`~tessera.inference.plan.StepPlan`, so every rank writes and
+travels with each step's :class:`~tessera.inference.scheduler.StepPlan`, so every rank writes and
 reads the same slots. A finished (or aborted) sequence's blocks go back to the free list.
 
 A step runs ``S`` sequences with ``T`` new tokens each, left-padded: sequence ``s`` has

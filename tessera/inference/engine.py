@@ -67,7 +67,7 @@ class InferenceEngine:
         self.pool = KVPool(self.options.num_blocks, self.options.block_size, ctx.device)
         self.world, self.pipeline = ctx.group("world"), ctx.group("pipeline")
         self.driver = ctx.rank == 0
-        self.stage, self.stages = ctx.local_rank("pipeline"), ctx.size("pipeline")
+        self.stage = ctx.local_rank("pipeline")
         self.sampler = self.world.size - ctx.size("tensor")  # the last stage's first tensor rank
         self.samples = ctx.rank == self.sampler
         self.scheduler: Scheduler | None = None
@@ -89,8 +89,7 @@ class InferenceEngine:
         """Run ``plan`` on this rank's stage; every rank returns the sampled tokens. Under
         ``torch.inference_mode``: no op of the step keeps autograd's version counters or views
         (about 4% of a small model's decode step on a CPU)."""
-        for request_id in plan.finished:
-            self._generators.pop(request_id, None)
+        self._forget(plan.finished)
         batch = StepBatch.build(plan.new_tokens, plan.past, plan.block_tables, self.options.block_size, self.pool)
         hidden = None
         if not self.runner.first:
@@ -110,9 +109,12 @@ class InferenceEngine:
         self.steps += 1
         return tokens.tolist()
 
+    def _forget(self, finished: Sequence[str]) -> None:
+        """Drop the generators of requests that ended."""
+        for request_id in finished:
+            self._generators.pop(request_id, None)
+
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> torch.Tensor:
-        if all(params.greedy for params in plan.params):  # no generators: sample()'s greedy rows in one call
-            return logits.argmax(dim=-1)
         generators = []
         for request_id, params in zip(plan.request_ids, plan.params):
             if request_id not in self._generators:
@@ -162,8 +164,7 @@ class InferenceEngine:
             if plan.kind in ("done", "stop"):
                 return plan.kind
             if plan.kind == "idle":
-                for request_id in plan.finished:
-                    self._generators.pop(request_id, None)
+                self._forget(plan.finished)
                 continue
             self.run(plan)
 
@@ -241,9 +242,8 @@ class InferenceEngine:
                         scheduler.add(request_id, list(prompt), params)
                     except ValueError as exc:
                         refused.append(Output(request_id, None, f"error: {exc}"))
-            # One emit per pass: a second small message right behind the first waits on the
-            # socket for the first one's acknowledgement (Nagle), which costs a request its first
-            # token by up to 40 ms. The step's emit also carries the gauges after aborts.
+            # one emit per pass: the step's outputs carry the refusals, and its gauges those of
+            # the aborts just handled (fewer, larger messages to the server)
             if scheduler.has_work or time.monotonic() - last_sent >= HEARTBEAT_S:
                 outputs = self.step()
                 last_sent = time.monotonic()

@@ -18,7 +18,6 @@ norms, heads).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from functools import partial
 from typing import Any, Protocol
 
@@ -254,14 +253,9 @@ def _hf_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-_registered: list[Callable[..., Any]] = []
-
-
 def register_attention() -> None:
-    """Register ``"tessera_paged"`` with transformers' ``AttentionInterface`` (once)."""
-    if _registered:
-        return
+    """Register ``"tessera_paged"`` with transformers' ``AttentionInterface`` (a dict update:
+    calling it again changes nothing)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION, _hf_attention)
-    _registered.append(_hf_attention)

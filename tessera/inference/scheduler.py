@@ -30,10 +30,6 @@ class Sequence:
     budget: int = 0  # most tokens the sequence will ever hold (prompt + max_tokens, capped)
     finish_reason: str | None = None
 
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.generated
-
 
 @dataclass(frozen=True)
 class StepPlan:

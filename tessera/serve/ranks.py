@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.errors import TesseraError
+from tessera.inference.engine import CacheOptions
 from tessera.inference.params import SamplingParams
 from tessera.serve.backend import Chunk, ModelInfo
 from tessera.serve.sources import ModelSource, load_tokenizer
@@ -55,9 +56,16 @@ class EngineOptions:
     quantize: str | None = None  # "int8": int8 weight-only linear layers
     max_model_len: int | None = None  # cap below the model's positions
 
+    def __post_init__(self) -> None:
+        self.cache  # noqa: B018 (validated here, in the server, before any rank starts)
+
     @property
     def world_size(self) -> int:
         return self.tensor * self.pipeline
+
+    @property
+    def cache(self) -> CacheOptions:
+        return CacheOptions(self.num_blocks, self.block_size, self.max_batch, self.max_prefill_tokens)
 
 
 def no_delay(conn: Connection) -> None:
@@ -302,7 +310,7 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
 
 def _load(source: ModelSource, options: EngineOptions, rank: int) -> Any:
     import tessera
-    from tessera.inference.engine import CacheOptions, InferenceEngine
+    from tessera.inference.engine import InferenceEngine
     from tessera.inference.models import prepare_model
     from tessera.serve.sources import build_model
 
@@ -318,13 +326,7 @@ def _load(source: ModelSource, options: EngineOptions, rank: int) -> Any:
     runner = prepare_model(model, ctx, init=init, quantize=options.quantize)
     if options.max_model_len is not None:
         runner.max_len = min(runner.max_len, options.max_model_len)
-    cache = CacheOptions(
-        num_blocks=options.num_blocks,
-        block_size=options.block_size,
-        max_batch=options.max_batch,
-        max_prefill_tokens=options.max_prefill_tokens,
-    )
-    return InferenceEngine(runner, ctx, cache)
+    return InferenceEngine(runner, ctx, options.cache)
 
 
 def _serve(engine: Any, conn: Connection) -> None:
