@@ -1,0 +1,193 @@
+"""``tessera bench plan``: the planner's predictions against measurement.
+
+For each layout of :data:`LAYOUTS` (a GPT preset trained with AdamW on 4 or 8 ranks: data
+parallelism, every tensor mode, pipeline schedules, ZeRO stages, activation checkpointing), the
+ranks train a few steps and report their peak resident memory above the baseline taken just
+before the model was built (VmHWM after a reset; the same code paths ran once on a miniature
+model first, so lazy imports and one-time set-up stay outside), the memory ledger's model-state
+bytes, and the median step time. Beside each: the planner's prediction for the same model,
+layout and step. ``--calibrate`` measures this machine first (tessera.planner.calibrate) so that
+the predicted step times can be ranked against the measured ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tessera.planner.layout import Layout
+
+PRESET = "small"
+SEQ = 256
+
+
+def _l(**kw: Any) -> Layout:
+    return Layout(**kw)
+
+
+#: (label, layout): GPT small, 8 samples of 256 tokens per step on 4 ranks (16 on 8)
+LAYOUTS: list[Layout] = [
+    _l(data=4, micro_batch=2),
+    _l(data=4, micro_batch=1, microbatches=2),
+    _l(data=4, micro_batch=2, zero=1),
+    _l(data=4, micro_batch=2, zero=2),
+    _l(data=4, micro_batch=2, zero=3),
+    _l(data=4, micro_batch=2, zero=3, checkpoint="full"),
+    _l(data=4, micro_batch=2, checkpoint="selective"),
+    _l(data=2, tensor=2, micro_batch=4),
+    _l(data=2, tensor=2, sequence_parallel=True, micro_batch=4),
+    _l(tensor=4, micro_batch=8),
+    _l(tensor=4, tensor_mode="2d", micro_batch=8),
+    _l(tensor=4, tensor_mode="2d", micro_batch=8, checkpoint="full"),
+    _l(data=2, pipeline=2, schedule="1f1b", microbatches=4, micro_batch=1),
+    _l(data=2, pipeline=2, schedule="gpipe", microbatches=4, micro_batch=1),
+    _l(pipeline=4, schedule="1f1b", microbatches=8, micro_batch=1),
+    _l(pipeline=4, schedule="zero_bubble", microbatches=8, micro_batch=1),
+    _l(pipeline=2, schedule="interleaved", chunks=2, microbatches=4, micro_batch=2),
+    _l(data=2, pipeline=2, microbatches=2, micro_batch=2, zero=1),
+    _l(data=2, sequence=2, micro_batch=4),
+    _l(data=2, sequence=2, sequence_mode="all_to_all", micro_batch=4),
+    _l(tensor=8, tensor_mode="2.5d", depth=2, micro_batch=16),
+    _l(tensor=8, tensor_mode="3d", micro_batch=16),
+    _l(data=2, tensor=4, tensor_mode="2d", micro_batch=8),
+    _l(data=8, micro_batch=2, zero=2),
+]
+
+
+def _batches(
+    layout: Layout, vocab: int, seq: int, steps: int, rank_seed: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(rank_seed)
+    out = []
+    for _ in range(steps * layout.microbatches):
+        tokens = torch.randint(0, vocab, (layout.micro_batch, seq + 1), generator=g)
+        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return out
+
+
+def _config(layout: Layout) -> dict[str, Any]:
+    cfg = layout.to_config()
+    cfg.pop("data", None)  # the data section is tessera train's, not the engine's
+    return cfg
+
+
+def _build(layout: Layout, preset: str, seq: int, overrides: dict[str, Any]):  # type: ignore[no-untyped-def]
+    import tessera
+    from tessera.models import NextTokenLoss, gpt
+
+    with tessera.deferred_init():
+        model = gpt(preset, max_seq_len=seq, **overrides)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    engine, *_ = tessera.initialize(model, optimizer, NextTokenLoss())
+    return engine, optimizer
+
+
+def measure_body(layout_fields: dict[str, Any], preset: str, seq: int, steps: int, timed: int) -> dict[str, Any]:
+    """On every rank: the peak RSS growth, ledger bytes and step time of ``layout``."""
+    from tessera import comm
+    from tessera.memory.report import (
+        map_large_allocations,
+        model_state_bytes,
+        peak_rss_bytes,
+        reset_peak_rss,
+        trim_heap,
+    )
+    from tessera.models.gpt import PRESETS
+    from tessera.testing import use_layout
+
+    layout = Layout(**layout_fields)
+    ctx = use_layout(
+        data=layout.data,
+        pipeline=layout.pipeline,
+        sequence=layout.sequence,
+        tensor=layout.tensor,
+        mode=layout.tensor_mode,
+        depth=layout.depth,
+        sequence_parallel=layout.sequence_parallel,
+        sequence_mode=layout.sequence_mode,
+        config=_config(layout),
+    )
+    map_large_allocations()
+    vocab = PRESETS[preset].vocab_size
+    batches = _batches(layout, vocab, seq, steps + timed, 1 + ctx.group("data").rank)
+    # the same code paths once on a miniature of the model: imports and one-time set-up
+    tiny = {"n_layers": max(layout.pipeline * layout.chunks - 2, 1), "d_model": 64, "n_heads": 8}
+    engine, _ = _build(layout, preset, seq, tiny)
+    engine.train_batch(iter(batches[: layout.microbatches]))
+    del engine
+    gc.collect()
+    trim_heap()
+    comm.barrier(ctx.group("world"))
+    reset_peak_rss()
+    base = peak_rss_bytes()
+    engine, optimizer = _build(layout, preset, seq, {})
+    losses = []
+    it = iter(batches)
+    for _ in range(steps):
+        losses.append(engine.train_batch(it))
+    peak = peak_rss_bytes()
+    ledger = model_state_bytes(engine.model, engine.optimizer)
+    times = []
+    for _ in range(timed):
+        comm.barrier(ctx.group("world"))
+        start = time.perf_counter()
+        engine.train_batch(it)
+        elapsed = torch.tensor([time.perf_counter() - start])
+        comm.all_reduce(elapsed, ctx.group("world"), op="max")
+        times.append(float(elapsed))
+    del engine, optimizer
+    gc.collect()
+    trim_heap()
+    assert base is not None and peak is not None
+    return {"peak": peak - base, "ledger": ledger["total"], "step_s": statistics.median(times), "loss": losses[-1]}
+
+
+def measure(layouts: list[Layout], preset: str = PRESET, seq: int = SEQ, steps: int = 2, timed: int = 3,
+            pools: Any = None) -> list[dict[str, Any]]:  # fmt: skip
+    """Measure each layout on its own ranks (pools of the needed world sizes, kept for all)."""
+    from tessera.testing import PoolSet
+
+    own = pools is None
+    pools = pools if pools is not None else PoolSet()
+    out = []
+    try:
+        for layout in layouts:
+            ranks = pools.run(layout.world, measure_body, dataclasses.asdict(layout), preset, seq, steps, timed)
+            peak = max(r["peak"] for r in ranks)
+            out.append(
+                {
+                    "layout": layout.name(),
+                    "fields": dataclasses.asdict(layout),
+                    "measured_peak": peak,
+                    "measured_ledger": max(r["ledger"] for r in ranks),
+                    "measured_step_s": ranks[0]["step_s"],
+                    "per_rank_peak": [r["peak"] for r in ranks],
+                }
+            )
+            print(f"  {layout.name():<40} peak {peak / 2**20:8.1f} MiB  step {ranks[0]['step_s']:.3f} s",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    finally:
+        if own:
+            pools.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tessera bench plan", description=__doc__)
+    parser.add_argument("--preset", default=PRESET)
+    parser.add_argument("--seq", type=int, default=SEQ)
+    parser.add_argument("--out", default="benchmarks/results/plan.json")
+    args = parser.parse_args(argv)
+    rows = measure(LAYOUTS, args.preset, args.seq)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
