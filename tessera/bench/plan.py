@@ -119,8 +119,9 @@ def measure_body(layout_fields: dict[str, Any], preset: str, seq: int, steps: in
     map_large_allocations()
     vocab = PRESETS[preset].vocab_size
     batches = _batches(layout, vocab, seq, steps + timed, 1 + ctx.group("data").rank)
-    # the same code paths once on a miniature of the model: imports and one-time set-up
-    tiny = {"n_layers": max(layout.pipeline * layout.chunks - 2, 1), "d_model": 64, "n_heads": 8}
+    # the same code paths once on the model cut to its fewest layers: imports and one-time set-up
+    # (gloo's buffers grow to the largest message sent, which the full width sends) stay outside
+    tiny = {"n_layers": max(layout.pipeline * layout.chunks - 2, 1)}
     engine, _ = _build(layout, preset, seq, tiny)
     engine.train_batch(iter(batches[: layout.microbatches]))
     del engine
@@ -151,33 +152,36 @@ def measure_body(layout_fields: dict[str, Any], preset: str, seq: int, steps: in
     return {"peak": peak - base, "ledger": ledger["total"], "step_s": statistics.median(times), "loss": losses[-1]}
 
 
-def measure(layouts: list[Layout], preset: str = PRESET, seq: int = SEQ, steps: int = 2, timed: int = 3,
-            pools: Any = None) -> list[dict[str, Any]]:  # fmt: skip
-    """Measure each layout on its own ranks (pools of the needed world sizes, kept for all)."""
-    from tessera.testing import PoolSet
+def measure(
+    layouts: list[Layout], preset: str = PRESET, seq: int = SEQ, steps: int = 2, timed: int = 3
+) -> list[dict[str, Any]]:
+    """Measure each layout on fresh ranks: a process that ran another layout before keeps part
+    of what it freed resident (glibc's heaps), and a later peak would grow less above it."""
+    from tessera.testing import RankPool
 
-    own = pools is None
-    pools = pools if pools is not None else PoolSet()
     out = []
-    try:
-        for layout in layouts:
-            ranks = pools.run(layout.world, measure_body, dataclasses.asdict(layout), preset, seq, steps, timed)
-            peak = max(r["peak"] for r in ranks)
-            out.append(
-                {
-                    "layout": layout.name(),
-                    "fields": dataclasses.asdict(layout),
-                    "measured_peak": peak,
-                    "measured_ledger": max(r["ledger"] for r in ranks),
-                    "measured_step_s": ranks[0]["step_s"],
-                    "per_rank_peak": [r["peak"] for r in ranks],
-                }
-            )
-            print(f"  {layout.name():<40} peak {peak / 2**20:8.1f} MiB  step {ranks[0]['step_s']:.3f} s",
-                  file=sys.stderr, flush=True)  # fmt: skip
-    finally:
-        if own:
-            pools.close()
+    for layout in layouts:
+        pool = RankPool(layout.world)
+        try:
+            ranks = pool.run(measure_body, dataclasses.asdict(layout), preset, seq, steps, timed, timeout=600)
+        finally:
+            pool.close()
+        peak = max(r["peak"] for r in ranks)
+        out.append(
+            {
+                "layout": layout.name(),
+                "fields": dataclasses.asdict(layout),
+                "measured_peak": peak,
+                "measured_ledger": max(r["ledger"] for r in ranks),
+                "measured_step_s": ranks[0]["step_s"],
+                "per_rank_peak": [r["peak"] for r in ranks],
+            }
+        )
+        print(
+            f"  {layout.name():<40} peak {peak / 2**20:8.1f} MiB  step {ranks[0]['step_s']:.3f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     return out
 
 

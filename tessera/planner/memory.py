@@ -114,8 +114,9 @@ def block_activation_elements(model: ModelSpec, layout: Layout, tokens_seq: int 
     (``S``: the q/k/v projections, the attention's output, the MLP's hidden side); with
     sequence-parallel regions the norms' inputs are split and the column layers keep their
     all-gathered inputs (``2h``). 2d and 2.5d keep everything in blocks (``(R + S + 2h)/q^2``,
-    the norms their normalised values); 3d keeps its blocks and each Linear's input gathered
-    along one cube axis (``1/q^2``). A sequence axis splits the tokens and keeps the exchanged
+    the norms their normalised values); 3d keeps the norms' inputs, q/k/v and the MLP's
+    pre-activation in blocks (``1/q^3``), each Linear's input gathered along one cube axis
+    (``1/q^2``), and the attention's probabilities (``heads x seq / q^3``). A sequence axis splits the tokens and keeps the exchanged
     keys and values (``h``); ``ring_qk`` keeps whole score rows (heads x sequence)."""
     h, t = model.d_model, layout.tensor
     split = (h + 2 * model.kv_dim) + h + _mlp_saved(model)
@@ -137,13 +138,17 @@ def block_activation_elements(model: ModelSpec, layout: Layout, tokens_seq: int 
         elems += heads_t + 4  # the attention's log-sum-exp per head, the norms' statistics
     elif layout.tensor_mode == "3d":
         q = layout.grid
-        elems = (whole / 2 + split + 2 * h) / q**3 + (3 * h + model.ff_dim) / q**2
+        # blocks: the norms' inputs, q/k/v, the MLP's pre-activation; gathered along one cube axis:
+        # each Linear's input; and the attention's probabilities (3d attends with explicit scores)
+        mlp_local = (3 if model.gated_mlp else 1) * model.ff_dim
+        kept = (whole / 2 + h + 2 * model.kv_dim + mlp_local) / q**3 + (3 * h + model.ff_dim) / q**2
+        elems = kept + model.n_heads * (tokens_seq or model.seq_len) / q**3
     else:
         elems = (whole + split + 2 * h) / _token_hidden_split(layout)
     if layout.sequence > 1:
         extra: float = h  # the keys and values received (ring) or exchanged (all-to-all)
         if layout.sequence_mode == "ring_qk":
-            extra = heads_t * (tokens_seq or model.seq_len)  # whole score rows, fp32
+            extra = 2 * heads_t * (tokens_seq or model.seq_len)  # whole score rows and their softmax, fp32
         elems = (elems + extra) / layout.sequence
     return elems
 
