@@ -119,9 +119,8 @@ def measure_body(layout_fields: dict[str, Any], preset: str, seq: int, steps: in
     map_large_allocations()
     vocab = PRESETS[preset].vocab_size
     batches = _batches(layout, vocab, seq, steps + timed, 1 + ctx.group("data").rank)
-    # the same code paths once on the model cut to its fewest layers: imports and one-time set-up
-    # (gloo's buffers grow to the largest message sent, which the full width sends) stay outside
-    tiny = {"n_layers": max(layout.pipeline * layout.chunks - 2, 1)}
+    # the same code paths once on a miniature of the model: imports and one-time set-up stay outside
+    tiny = {"n_layers": max(layout.pipeline * layout.chunks - 2, 1), "d_model": 64, "n_heads": 8}
     engine, _ = _build(layout, preset, seq, tiny)
     engine.train_batch(iter(batches[: layout.microbatches]))
     del engine
