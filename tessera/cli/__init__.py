@@ -1,4 +1,4 @@
-"""The ``tessera`` command: run, train, check, bench, ckpt, serve, generate.
+"""The ``tessera`` command: run, train, plan, check, bench, ckpt, serve, generate.
 
 Importing this module does not import torch: ``--help`` and ``--version`` answer at once, and
 ``train`` checks its config and layout before torch is loaded.
@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from tessera.cli import ckpt
+from tessera.cli import plan as planning
 from tessera.cli import serve as serving
 from tessera.errors import TesseraError
 
@@ -136,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         "sequence parallelism and ZeRO, configured from a file.",
     )
     parser.add_argument("--version", action="version", version=f"tessera {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="{run,train,check,bench,ckpt,serve,generate}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,train,plan,check,bench,ckpt,serve,generate}")
     sub.required = True
 
     sub.add_parser(
@@ -191,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint's run folder",
     )
     train.set_defaults(func=_cmd_train)
+    planning.add_parser(sub)
 
     check = sub.add_parser("check", help="print the environment and run a 2-rank all-reduce")
     check.set_defaults(func=_cmd_check)

@@ -1,0 +1,192 @@
+"""``tessera plan``: search the parallel layouts of a model on a cluster, print them ranked by
+predicted step time with the reason the best wins, and write the best as a config file.
+
+``tessera plan --model gpt:gpt2-medium --devices 8 --device-memory 16GiB [--nodes 2]
+[--global-batch N] [--seq-len N] [--dtype bf16] [--calibrate] [--top 10] [--out best.py]``
+
+The cluster's figures come from ``--hardware`` (default: A100 80GB in DGX nodes; see
+``tessera.planner.scenarios.HARDWARE`` for the figures and their sources), overridden one by one
+with ``--flops``, ``--intra-bw``, ``--inter-bw``, ``--intra-latency``, ``--inter-latency``, or
+measured on this machine with ``--calibrate``. This module does not import torch; a ``gpt:`` or
+``vit:`` preset does (to read the preset's sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from tessera.errors import ConfigError
+
+PLAN_FORMATS = (".py", ".toml", ".yaml", ".yml", ".json")
+
+
+def add_parser(sub: Any) -> None:
+    """Add ``plan`` to the ``tessera`` subparsers ``sub``."""
+    from tessera.planner.scenarios import HARDWARE, UTILISATION
+
+    p = sub.add_parser(
+        "plan",
+        help="rank the parallel layouts of a model on a cluster by predicted step time and write the best config",
+        description="Search data, pipeline (schedule, micro-batches), tensor (1d/2d/2.5d/3d), sequence, ZeRO, "
+        "offload, activation checkpointing and micro-batch size for the model on the cluster; print the layouts "
+        "that fit, fastest first, with the baselines (pure ZeRO-3, pure 1D tensor parallelism) and why the best "
+        "wins; write the best as a config that `tessera train --config` runs (docs/planner.md).",
+    )
+    p.add_argument("--model", required=True, metavar="NAME",
+                   help="gpt:PRESET (tessera's GPT: tiny, small, gpt2, gpt2-medium, ...), vit:PRESET, hf:PATH (a "
+                   "Hugging Face config.json or its folder), or llama:7b, llama:13b, llama:70b, gpt3:175b")  # fmt: skip
+    p.add_argument("--devices", type=int, required=True, help="devices (ranks) in all")
+    p.add_argument("--nodes", type=int, default=None, help="nodes they sit in (default: 8 devices a node)")
+    p.add_argument("--device-memory", default=None, metavar="SIZE",
+                   help="usable memory per device, e.g. 16GiB (default: the hardware's, less 2 GiB)")  # fmt: skip
+    p.add_argument("--host-memory", default=None, metavar="SIZE", help="host memory per device for offload")
+    p.add_argument("--global-batch", type=int, default=None, help="samples per optimizer step (default: 8 a device)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the model's)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="compute dtype (default bf16)")
+    p.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "lamb", "lars"), default="adamw")
+    p.add_argument("--hardware", choices=sorted(HARDWARE), default="a100-80gb",
+                   help="device and link figures (default a100-80gb: 312 TFLOP/s bf16, NVLink 230 GB/s, InfiniBand "
+                   f"24 GB/s per GPU; compute at {UTILISATION:.0%} of peak)")  # fmt: skip
+    p.add_argument("--flops", type=float, default=None, help="sustained FLOP/s per device (overrides --hardware)")
+    p.add_argument("--intra-bw", type=float, default=None, metavar="GB/S", help="bandwidth within a node, GB/s")
+    p.add_argument("--inter-bw", type=float, default=None, metavar="GB/S", help="bandwidth across nodes, GB/s")
+    p.add_argument("--intra-latency", type=float, default=None, metavar="US", help="latency within a node, us")
+    p.add_argument("--inter-latency", type=float, default=None, metavar="US", help="latency across nodes, us")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine's compute rate and per-axis bandwidth with short runs first")  # fmt: skip
+    p.add_argument("--top", type=int, default=10, help="ranked rows to print (default 10)")
+    p.add_argument("--exhaustive", action="store_true", help="estimate every layout that fits (slower)")
+    p.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="write the best layout as a config: .py, .toml, .yaml or .json")  # fmt: skip
+    p.set_defaults(func=cmd_plan)
+
+
+def cluster_of(args: argparse.Namespace) -> Any:
+    """The cluster the command line describes (ConfigError for an impossible one)."""
+    from tessera.config.schema import parse_bytes
+    from tessera.planner.scenarios import HARDWARE
+    from tessera.planner.spec import Link
+
+    if args.devices < 1:
+        raise ConfigError(f"--devices={args.devices} must be at least 1")
+    nodes = args.nodes or max(1, -(-args.devices // 8))
+    if nodes < 1 or args.devices % nodes:
+        given = f"--nodes={nodes}" if args.nodes else f"{nodes} nodes of 8 (give --nodes)"
+        raise ConfigError(f"--devices={args.devices} is not a multiple of {given}: each node holds as many devices")
+    hardware = HARDWARE[args.hardware]
+    memory = parse_bytes(args.device_memory, "--device-memory")
+    cluster = hardware.cluster(
+        args.devices, dtype=args.dtype, device_memory=memory, devices_per_node=args.devices // nodes
+    )
+    intra, inter = cluster.intra, cluster.inter
+    intra = Link(args.intra_bw * 1e9 if args.intra_bw else intra.bandwidth,
+                 args.intra_latency * 1e-6 if args.intra_latency else intra.latency)  # fmt: skip
+    inter = Link(args.inter_bw * 1e9 if args.inter_bw else inter.bandwidth,
+                 args.inter_latency * 1e-6 if args.inter_latency else inter.latency)  # fmt: skip
+    return dataclasses.replace(
+        cluster,
+        flops=args.flops or cluster.flops,
+        intra=intra,
+        inter=inter,
+        host_memory=parse_bytes(args.host_memory, "--host-memory"),
+    )
+
+
+def calibrated(cluster: Any) -> Any:
+    """``cluster`` with this machine's measured compute rate and per-axis links."""
+    from tessera.planner.calibrate import calibrate
+
+    return calibrate(cluster)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from tessera.planner.search import Limits, plan
+    from tessera.planner.spec import Workload, resolve_model
+
+    model = resolve_model(args.model, args.seq_len)
+    cluster = cluster_of(args)
+    if args.calibrate:
+        cluster = calibrated(cluster)
+    if args.top < 1:
+        raise ConfigError(f"--top={args.top} must be at least 1")
+    workload = Workload(global_batch=args.global_batch or 8 * args.devices, seq_len=args.seq_len, dtype=args.dtype,
+                        optimizer=args.optimizer)  # fmt: skip
+    result = plan(model, cluster, workload, top=args.top, limits=Limits(exhaustive=args.exhaustive))
+    print(f"tessera plan: {model.describe()}; {workload.global_batch} samples a step, {args.dtype}; "
+          f"{cluster.name}, {cluster.devices_per_node} a node, {cluster.device_memory / 2**30:.1f} GiB each; "
+          f"{result.stats.describe()}", file=sys.stderr)  # fmt: skip
+    print(result.table(markdown=args.markdown))
+    best = result.best  # nothing fits: a ConfigError saying by how much the nearest misses
+    print("\nbest: " + result.summary())
+    if args.out:
+        path = write_config(best.layout, args.model, workload, Path(args.out))
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+# ---- the config file of a layout ---------------------------------------------------------------------
+
+
+def config_of(layout: Any, model_name: str, workload: Any) -> dict[str, Any]:
+    """The tessera config that trains ``model_name`` with ``layout``: the layout's sections, the
+    model's (for gpt: presets and hf: paths, which ``tessera train`` builds), the sequence length
+    and the dtype."""
+    config: dict[str, Any] = layout.to_config()
+    kind, _, rest = model_name.partition(":")
+    if kind == "gpt" and rest:
+        config["model"] = {"name": "gpt", "preset": rest}
+    elif kind == "hf" and rest:
+        config["model"] = {"name": model_name}
+    if workload.seq_len:
+        config["data"]["seq_len"] = workload.seq_len
+    config["mixed_precision"] = {"dtype": workload.dtype}
+    return config
+
+
+def write_config(layout: Any, model_name: str, workload: Any, path: Path) -> Path:
+    """Write :func:`config_of` to ``path`` in the format its suffix names."""
+    from tessera.files import write_atomically
+
+    suffix = path.suffix.lower()
+    if suffix not in PLAN_FORMATS:
+        raise ConfigError(f"--out {path}: unknown format {suffix!r}; use {', '.join(PLAN_FORMATS)}")
+    config = config_of(layout, model_name, workload)
+    head = f"tessera plan --model {model_name}: {layout.name()}"
+    if suffix == ".py":
+        text = f'"""{head}."""\n\n' + "".join(f"{key} = {value!r}\n" for key, value in config.items())
+    elif suffix == ".json":
+        text = json.dumps(config, indent=2) + "\n"
+    elif suffix == ".toml":
+        text = f"# {head}\n" + toml_text(config)
+    else:
+        import yaml
+
+        text = f"# {head}\n" + yaml.safe_dump(config, sort_keys=False)
+    write_atomically(path, text)
+    return path
+
+
+def toml_text(data: dict[str, Any], prefix: str = "") -> str:
+    """A TOML document of nested dicts of plain values (tables after the table's own keys)."""
+    lines = [f"{key} = {_toml_value(value)}" for key, value in data.items() if not isinstance(value, dict)]
+    for key, value in data.items():
+        if isinstance(value, dict):
+            name = f"{prefix}{key}"
+            lines += ["", f"[{name}]", toml_text(value, name + ".").rstrip("\n")]
+    return "\n".join(line for line in lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)
