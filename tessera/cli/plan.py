@@ -98,11 +98,17 @@ def cluster_of(args: argparse.Namespace) -> Any:
     )
 
 
-def calibrated(cluster: Any) -> Any:
-    """``cluster`` with this machine's measured compute rate and per-axis links."""
-    from tessera.planner.calibrate import calibrate
+def calibrated(cluster: Any, args: argparse.Namespace) -> Any:
+    """``cluster`` with this machine's measured compute, optimizer and copy rates and per-axis links
+    (``tessera.planner.calibrate``: ranks of this machine, at most 8, measured together)."""
+    from tessera.config.schema import parse_bytes
+    from tessera.planner.calibrate import calibrate, calibrated_cluster, describe
 
-    return calibrate(cluster)
+    calibration = calibrate(min(cluster.devices, 8))
+    print(describe(calibration), file=sys.stderr)
+    memory = parse_bytes(args.device_memory, "--device-memory")  # default: this machine's, shared
+    measured = calibrated_cluster(calibration, cluster.devices, memory)
+    return dataclasses.replace(measured, devices_per_node=cluster.devices_per_node, host_memory=cluster.host_memory)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -112,7 +118,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     model = resolve_model(args.model, args.seq_len)
     cluster = cluster_of(args)
     if args.calibrate:
-        cluster = calibrated(cluster)
+        cluster = calibrated(cluster, args)
     if args.top < 1:
         raise ConfigError(f"--top={args.top} must be at least 1")
     workload = Workload(global_batch=args.global_batch or 8 * args.devices, seq_len=args.seq_len, dtype=args.dtype,
