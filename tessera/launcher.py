@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from tessera import comm
-from tessera.config import Config, ConfigSource, load_config, parallel_dims, require_available
+from tessera.config import Config, ConfigSource, load_config, parallel_dims, require_available, resolve_auto
 from tessera.context import ParallelContext, seed_all
 from tessera.errors import ConfigError, TesseraError
 from tessera.session import set_session
@@ -66,6 +66,8 @@ def launch(
     cfg = load_config(config, overrides)
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank} is outside world size {world_size}")
+    # parallel="auto": every rank makes the same plan; rank 0 says what it chose and why
+    cfg = resolve_auto(cfg, world_size, announce=_announce if rank == 0 else None)
     dims = parallel_dims(cfg, world_size)  # fails before any process group starts
     backend = resolve_backend(backend or cfg.launch.backend)
     local_rank = rank if local_rank is None else local_rank
@@ -102,6 +104,10 @@ def launch(
     ctx = ParallelContext(dims, device=device, seed=cfg.seed)
     set_session(ctx, cfg)
     return ctx
+
+
+def _announce(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 def _restart_store(host: str, port: int | str, world_size: int, timeout: datetime.timedelta) -> Any:
@@ -204,7 +210,8 @@ def _dry_validation(config: ConfigSource, overrides: Sequence[str], request: Map
     verdict: dict[str, object] = {"ok": True}
     try:
         cfg = load_config(config, overrides)
-        parallel_dims(cfg, int(str(request["world_size"])))
+        world_size = int(str(request["world_size"]))
+        parallel_dims(resolve_auto(cfg, world_size), world_size)
         require_available(cfg)
     except TesseraError as exc:
         verdict = {"ok": False, "error": str(exc), "type": type(exc).__name__}

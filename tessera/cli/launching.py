@@ -40,10 +40,10 @@ def check_overrides(items: Sequence[str], following: Sequence[str] = ()) -> None
 def check_world(config: Any, world_size: int, started: str) -> None:
     """The layout of ``config`` on ``world_size`` ranks, or the ConfigError that says why not
     (and where the world size came from: ``started``)."""
-    from tessera.config import parallel_dims, require_available
+    from tessera.config import parallel_dims, require_available, resolve_auto
 
     try:
-        parallel_dims(config, world_size)
+        parallel_dims(resolve_auto(config, world_size), world_size)  # parallel="auto": a layout must fit
     except ConfigError as exc:
         raise ConfigError(f"{exc} ({started})") from None
     require_available(config)

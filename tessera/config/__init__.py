@@ -1,6 +1,7 @@
 """Typed configuration: load a ``.py``, YAML, TOML or JSON file (or a dict), validate it, and
 fail early with a message that names the key. See docs/config.md."""
 
+from tessera.config.auto import resolve_auto
 from tessera.config.loading import (
     ConfigSource,
     apply_overrides,
@@ -25,6 +26,7 @@ from tessera.config.schema import (
     OptimizerConfig,
     ParallelConfig,
     PipelineConfig,
+    PlannerConfig,
     ScheduleConfig,
     SequenceConfig,
     TensorConfig,
@@ -46,6 +48,7 @@ __all__ = [
     "MixedPrecisionConfig",
     "ParallelConfig",
     "PipelineConfig",
+    "PlannerConfig",
     "SequenceConfig",
     "TensorConfig",
     "TrainerConfig",
@@ -59,5 +62,6 @@ __all__ = [
     "reference_markdown",
     "render_docs",
     "require_available",
+    "resolve_auto",
     "unavailable_features",
 ]

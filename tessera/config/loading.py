@@ -95,12 +95,15 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
 def build(cls: type, data: Any, path: str = "") -> Any:
     """Build dataclass ``cls`` from a mapping, checking every key, type and rule.
 
-    An int given for a section that has a ``size`` field is taken as ``dict(size=...)``.
+    An int given for a section that has a ``size`` field is taken as ``dict(size=...)``, and
+    ``"auto"`` for one with an ``auto`` field as ``dict(auto=True)``.
     """
     names = [f.name for f in dataclasses.fields(cls)]
     if not isinstance(data, Mapping):
         if "size" in names and isinstance(data, int) and not isinstance(data, bool):
             data = {"size": data}
+        elif "auto" in names and data == "auto":
+            data = {"auto": True}
         else:
             where = path.rstrip(".") or "the config"
             raise ConfigError(f"{where} must be a mapping of keys to values, got {data!r}")
@@ -261,6 +264,8 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
             child = node.get(part)
             if isinstance(child, int) and not isinstance(child, bool):
                 child = {"size": child}  # the shorthand section=N
+            elif child == "auto":
+                child = {"auto": True}  # the shorthand parallel="auto"
             elif not isinstance(child, dict):
                 child = {}
             node[part] = child
@@ -339,8 +344,14 @@ def check_model_layout(config: Config) -> None:
 
 
 def parallel_dims(config: Config, world_size: int) -> ParallelDims:
-    """The validated layout of ``config`` on ``world_size`` ranks."""
+    """The validated layout of ``config`` on ``world_size`` ranks (``parallel = "auto"`` must have
+    been resolved by :func:`tessera.config.resolve_auto` first)."""
     p = config.parallel
+    if p.auto:
+        raise ConfigError(
+            'parallel="auto" is chosen at launch, when the world size is known: resolve it with '
+            "tessera.config.resolve_auto(config, world_size) first"
+        )
     return ParallelDims(
         world_size=world_size,
         data=p.data,

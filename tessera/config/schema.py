@@ -107,8 +107,23 @@ class ParallelConfig:
     pipeline: PipelineConfig = _section(PipelineConfig, "Pipeline parallelism (an int is taken as `size`).")
     tensor: TensorConfig = _section(TensorConfig, "Tensor parallelism (an int is taken as `size`).")
     sequence: SequenceConfig = _section(SequenceConfig, "Sequence parallelism (an int is taken as `size`).")
+    auto: bool = _field(
+        False,
+        'Let the planner choose the layout at launch (`parallel = "auto"` is short for `dict(auto=True)`): the '
+        "axes, and with them zero.stage and offload, activation_checkpoint.mode, gradient_accumulation and "
+        "data.micro_batch_size, keeping the global batch (micro_batch_size x ranks x gradient_accumulation); the "
+        "other parallel keys stay unset. See `planner` and docs/planner.md.",
+    )
 
     def validate(self, path: str) -> None:
+        if self.auto:
+            given = {"data": self.data, "pipeline": self.pipeline, "tensor": self.tensor, "sequence": self.sequence}
+            chosen = [key for key, value in given.items() if value != getattr(ParallelConfig(), key)]
+            if chosen:
+                raise ConfigError(
+                    f"{path}auto=True lets the planner choose the whole layout, and {path}{chosen[0]} is set too: "
+                    f"drop {', '.join(path + key for key in chosen)}, or drop {path}auto"
+                )
         if self.data is not None and self.data < 1:
             raise ConfigError(f"{path}data={self.data} must be at least 1")
         if self.sequence.size > 1 and self.tensor.size > 1 and self.tensor.mode != "1d":
@@ -116,6 +131,34 @@ class ParallelConfig:
                 f"sequence parallelism composes with 1d tensor parallelism, not {self.tensor.mode!r}: "
                 f"use {path}tensor.mode='1d' or {path}sequence.size=1"
             )
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    device_memory: int | str | None = _field(
+        None,
+        "parallel='auto': memory per rank to plan for, e.g. '2GiB'; None: this machine's (the GPU's memory less "
+        "2 GiB, or on CPU 80% of the host memory shared by this node's ranks).",
+    )
+    hardware: str | None = _field(
+        None,
+        "parallel='auto': the compute and link figures to plan with, a name of "
+        "tessera.planner.scenarios.HARDWARE ('a100-80gb', 'a100-40gb', 'h100-80gb', 'cpu'); None: 'cpu' without "
+        "CUDA, else 'a100-80gb'.",
+    )
+    calibrate: bool = _field(
+        False,
+        "parallel='auto': measure this machine's compute rate and links with short runs before planning (tens of "
+        "seconds, `tessera plan --calibrate`) instead of the hardware's figures.",
+    )
+
+    def validate(self, path: str) -> None:
+        parse_bytes(self.device_memory, f"{path}device_memory")
+        if self.hardware is not None:
+            from tessera.planner.scenarios import HARDWARE  # the planner sits below config: import on use
+
+            if self.hardware not in HARDWARE:
+                raise ConfigError(f"{path}hardware={self.hardware!r} is not known; allowed: {', '.join(HARDWARE)}")
 
 
 @dataclass(frozen=True)
@@ -409,7 +452,9 @@ class ScheduleConfig:
 class Config:
     """The whole configuration of a tessera run."""
 
-    parallel: ParallelConfig = _section(ParallelConfig, "The parallel layout.")
+    parallel: ParallelConfig = _section(
+        ParallelConfig, 'The parallel layout ("auto": chosen by the planner at launch).'
+    )
     zero: ZeroConfig = _section(ZeroConfig, "ZeRO sharding of optimizer states, gradients and parameters.")
     gemini: GeminiConfig = _section(GeminiConfig, "Chunk-based heterogeneous memory management.")
     activation_checkpoint: ActivationCheckpointConfig = _section(
@@ -426,6 +471,7 @@ class Config:
     data: DataConfig = _section(DataConfig, "The data `tessera train` reads.")
     optimizer: OptimizerConfig = _section(OptimizerConfig, "The optimizer `tessera train` builds.")
     schedule: ScheduleConfig = _section(ScheduleConfig, "The learning-rate schedule of `tessera train`.")
+    planner: PlannerConfig = _section(PlannerConfig, 'What the planner plans for when parallel = "auto".')
 
     def validate(self, path: str) -> None:
         if self.gradient_accumulation < 1:
@@ -433,6 +479,11 @@ class Config:
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise ConfigError(f"clip_grad_norm={self.clip_grad_norm} must be positive (or None)")
         if self.gemini.active:
+            if self.parallel.auto:
+                raise ConfigError(
+                    "gemini with parallel='auto': the planner chooses ZeRO stages and offload, not Gemini's chunks; "
+                    "set the layout by hand with gemini, or turn gemini off"
+                )
             if self.zero.stage > 0:
                 raise ConfigError(
                     f"gemini with zero.stage={self.zero.stage}: Gemini is ZeRO-3 over the data axis with chunks placed "

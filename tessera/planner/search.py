@@ -473,8 +473,14 @@ def best_of_family(
 # ---- the plan and its reasons ------------------------------------------------------------------------
 
 
-def fmt_bytes(n: float) -> str:
-    return f"{n / GIB:,.1f} GiB" if n >= 0.1 * GIB else f"{n / 2**20:,.1f} MiB"
+def fmt_bytes(n: float, digits: int = 1) -> str:
+    return f"{n / GIB:,.{digits}f} GiB" if n >= 0.1 * GIB else f"{n / 2**20:,.{digits}f} MiB"
+
+
+def fmt_over(need: float, limit: float) -> tuple[str, str]:
+    """``need`` and ``limit`` with enough digits to tell them apart."""
+    digits = next((d for d in (1, 2, 3) if fmt_bytes(need, d) != fmt_bytes(limit, d)), 3)
+    return fmt_bytes(need, digits), fmt_bytes(limit, digits)
 
 
 def fmt_time(seconds: float) -> str:
@@ -526,10 +532,10 @@ def why(a: Estimate, b: Estimate, label: str, plan: Plan) -> str:
     """Why ``a`` ranks above ``b``, in terms of the estimate's parts: memory when ``b`` does not fit,
     else the parts of the step time that differ most."""
     if a.layout == b.layout:
-        return f"is the {label} layout"
+        return f"it is the {label} layout"
     if not b.fits:
-        available = fmt_bytes(plan.cluster.device_memory)
-        return f"vs {label}: fits ({label} needs {fmt_bytes(b.memory.peak)} per rank, {available} available)"
+        need, available = fmt_over(b.memory.peak, plan.cluster.device_memory)
+        return f"vs {label}: fits ({label} needs {need} per rank, {available} available)"
     gain = b.time.step - a.time.step
     if gain <= 0:
         less = b.memory.peak - a.memory.peak
@@ -588,10 +594,10 @@ class Plan:
         limit = self.cluster.device_memory
         if self.nearest is None:
             raise ConfigError(f"no layout of {self.cluster.devices} devices can run {self.model.name}")
-        need = self.nearest.memory.peak
+        need, available = fmt_over(self.nearest.memory.peak, limit)
         raise ConfigError(
-            f"no layout of {self.model.name} fits {self.cluster.devices} devices of {fmt_bytes(limit)}: the nearest, "
-            f"{self.nearest.layout.name()}, needs {fmt_bytes(need)} per rank ({fmt_bytes(need - limit)} over; "
+            f"no layout of {self.model.name} fits {self.cluster.devices} devices of {available}: the nearest, "
+            f"{self.nearest.layout.name()}, needs {need} per rank ({fmt_bytes(self.nearest.memory.peak - limit)} over; "
             "more devices, more memory, a smaller global batch or sequence would help)"
         )
 

@@ -152,7 +152,7 @@ def test_reasons_name_the_parts_that_differ():
     )
     same = _est(zero3, 50 * 2**30, 1.0, 0.1, {"data": 0.3})
     assert why(ours, same, "#2", holder) == "vs #2: the same step time, 10.0 GiB less memory per rank"
-    assert why(ours, ours, "x", holder) == "is the x layout"
+    assert why(ours, ours, "x", holder) == "it is the x layout"
 
 
 def test_nothing_fits_says_by_how_much_the_nearest_misses():
