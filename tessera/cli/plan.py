@@ -101,8 +101,9 @@ def cluster_of(args: argparse.Namespace) -> Any:
 def calibrated(cluster: Any, args: argparse.Namespace) -> Any:
     """``cluster`` with this machine's measured compute, optimizer and copy rates and per-axis links
     (``tessera.planner.calibrate``: ranks of this machine, at most 8, measured together)."""
+    from tessera.bench.calibrate import calibrate
     from tessera.config.schema import parse_bytes
-    from tessera.planner.calibrate import calibrate, calibrated_cluster, describe
+    from tessera.planner.calibrate import calibrated_cluster, describe
 
     calibration = calibrate(min(cluster.devices, 8))
     print(describe(calibration), file=sys.stderr)

@@ -75,11 +75,11 @@ def cluster_of(config: Config, world_size: int, local_world_size: int, cuda: boo
         local_world_size, cuda
     )
     per_node = local_world_size if world_size % local_world_size == 0 else world_size
-    if config.planner.calibrate:
-        from tessera.planner.calibrate import calibrate, calibrated_cluster
-
-        measured = calibrated_cluster(calibrate(min(world_size, local_world_size)), world_size, memory)
-        return dataclasses.replace(measured, devices_per_node=per_node)
+    if config.planner.calibrate:  # measuring needs ranks of its own, which a launched run is already
+        raise ConfigError(
+            "planner.calibrate=true at launch is not available yet: run `tessera plan --calibrate --out best.py` "
+            "and train with the config it writes"
+        )
     hardware = HARDWARE[config.planner.hardware or ("a100-80gb" if cuda else "cpu")]
     dtype = config.mixed_precision.dtype
     return hardware.cluster(world_size, dtype=dtype, device_memory=memory, devices_per_node=per_node)

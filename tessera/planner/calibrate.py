@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,132 +67,6 @@ class Calibration:
 # ---- on every rank -------------------------------------------------------------------------------------
 
 
-def _busy_rate(work: Any, amount: float, seconds: float) -> float:
-    """Calls ``work()`` for about ``seconds`` of wall time; ``amount`` per call per second."""
-    work()  # warm up: allocations, kernels, lazy state
-    count, start = 0, time.perf_counter()
-    while True:
-        work()
-        count += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= seconds:
-            return count * amount / elapsed
-
-
-def _block_rate(block: tuple[int, int, int, int], seconds: float) -> float:
-    """Flop/s of a GPT block's forward and backward (tessera's Block, no parallelism): the
-    model's matmuls at its own shapes, with the elementwise work around them."""
-    import torch
-
-    from tessera.models.transformer import Block
-    from tessera.planner.spec import ModelSpec
-
-    d_model, heads, seq, batch = block
-    layer = Block(d_model, heads, 4 * d_model, 0.0, 1e-5, causal=True)
-    x = torch.randn(batch, seq, d_model, requires_grad=True)
-    spec = ModelSpec("calibration", "gpt", 1, d_model, heads, 4 * d_model, 1, seq)
-
-    def step() -> None:
-        layer(x).sum().backward()
-
-    return _busy_rate(step, 3 * spec.block_forward_flops(batch * seq, seq), seconds)
-
-
-def _compute_rates(matmul: tuple[int, int, int], block: tuple[int, int, int, int], seconds: float) -> list[float]:
-    """[matmul flop/s, block flop/s, AdamW bytes/s of parameters, copy bytes/s] on this rank."""
-    import torch
-
-    m, k, n = matmul
-    a, b, out = torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)
-    rates = [_busy_rate(lambda: torch.mm(a, b, out=out), 2.0 * m * k * n, seconds / 2)]
-    rates.append(_block_rate(block, seconds))
-    numel = 2**20
-    param = torch.nn.Parameter(torch.randn(numel))
-    param.grad = torch.randn(numel)
-    adam = torch.optim.AdamW([param], lr=1e-3)
-    rates.append(_busy_rate(adam.step, 4.0 * numel, seconds / 2))
-    src, dst = torch.randn(4 * numel), torch.empty(4 * numel)
-    rates.append(_busy_rate(lambda: dst.copy_(src), 16.0 * numel, seconds / 4))
-    return rates
-
-
-def _run_op(op: str, tensor: Any, group: Any) -> None:
-    from tessera import comm
-
-    if op == "all_reduce":
-        comm.all_reduce(tensor, group)
-    elif op == "all_gather":
-        comm.all_gather(tensor[: tensor.numel() // group.size], group)
-    elif op == "reduce_scatter":
-        comm.reduce_scatter(tensor, group)
-    elif op == "broadcast":
-        comm.broadcast(tensor, group, src=0)
-    elif op == "reduce":
-        comm.reduce(tensor, group, dst=0)
-    elif op == "all_to_all":
-        comm.all_to_all(tensor.view(group.size, -1), group, 0, 0)
-    else:
-        half = tensor.numel() // 2
-        nxt, prev = (group.rank + 1) % group.size, (group.rank - 1) % group.size
-        comm.batch_p2p([comm.P2POp("send", tensor[:half], group, nxt), comm.P2POp("recv", tensor[half:], group, prev)])
-
-
-def _time_op(op: str, nbytes: int, group: Any, world: Any, calls: int, warm: bool) -> tuple[int, float, float]:
-    """(calls, logical bytes, seconds) of ``calls`` calls on this rank, after a barrier over the
-    world (every group runs at once) and, with ``warm``, one call untimed."""
-    import torch
-
-    from tessera import comm
-
-    numel = max(2 * group.size, nbytes // 4 // (2 * group.size) * (2 * group.size))
-    tensor = torch.randn(numel)
-    if warm:
-        _run_op(op, tensor, group)
-    comm.barrier(world)
-    with comm.ledger() as led:
-        start = time.perf_counter()
-        for _ in range(calls):
-            _run_op(op, tensor, group)
-        seconds = time.perf_counter() - start
-    return led.calls(), float(led.bytes()), seconds
-
-
-def measure_rank(
-    groups: Sequence[int],
-    message_bytes: Sequence[int],
-    matmul: tuple[int, int, int],
-    block: tuple[int, int, int, int],
-    seconds: float,
-    repeats: int,
-) -> dict[str, Any]:
-    """The measurements of one rank (run on every rank of a pool at once): its compute rates,
-    and per group size, op and message size the median of ``repeats`` timed runs (the runs of
-    all ops interleaved, so that a burst of load elsewhere does not fall on one op)."""
-    import torch
-
-    from tessera.testing import use_layout
-
-    torch.set_num_threads(1)
-    world = use_layout().group("data")
-    rates = _compute_rates(matmul, block, seconds)
-    timed: list[tuple[str, int, int, float, float]] = []
-    for size in groups:
-        group = use_layout(tensor=size).group("tensor")
-        runs: dict[tuple[str, int], list[tuple[int, float, float]]] = {}
-        for rep in range(repeats):
-            for op in OPS:
-                for nbytes in message_bytes:
-                    calls = 4 if nbytes <= 2**17 else 2
-                    runs.setdefault((op, nbytes), []).append(_time_op(op, nbytes, group, world, calls, rep == 0))
-        for (op, _), done in runs.items():
-            timed.append((op, size, done[0][0], done[0][1], statistics.median(r[2] for r in done)))
-    use_layout()
-    return {"rates": rates, "timed": timed}
-
-
-# ---- fitting -------------------------------------------------------------------------------------------
-
-
 def fit_link(samples: Sequence[Sample]) -> Link:
     """``latency + bytes / bandwidth`` per call, least squares over the samples' per-call times.
     Where noise makes that unphysical, a line through the origin (no latency) if the times grow
@@ -212,54 +85,13 @@ def fit_link(samples: Sequence[Sample]) -> Link:
     return Link(bandwidth=UNBOUNDED, latency=mean_y)
 
 
-def _samples(per_rank: Sequence[dict[str, Any]]) -> list[Sample]:
+def samples_of(per_rank: Sequence[dict[str, Any]]) -> list[Sample]:
     """Each timed run as one sample: the ledger's calls and bytes, the ranks' mean seconds."""
     out = []
     for i, (op, size, calls, nbytes, _) in enumerate(per_rank[0]["timed"]):
         seconds = statistics.fmean(r["timed"][i][4] for r in per_rank)
         out.append(Sample(op, size, calls, nbytes, seconds))
     return out
-
-
-def calibrate(
-    world_size: int,
-    *,
-    pool: Any = None,
-    groups: Sequence[int] | None = None,
-    message_bytes: Sequence[int] = MESSAGE_BYTES,
-    matmul: tuple[int, int, int] = (512, 256, 512),
-    block: tuple[int, int, int, int] = (256, 8, 256, 2),
-    seconds: float = 0.5,
-    repeats: int = 3,
-) -> Calibration:
-    """Measure this machine with ``world_size`` ranks busy at once (a ``RankPool`` of that size:
-    ``pool``, or one started and closed here). ``groups``: the group sizes (default 2, 4, 8, those
-    dividing ``world_size``); ``message_bytes``: the tensor sizes each collective is timed on,
-    ``repeats`` times; ``matmul``: the (m, k, n) product and ``block`` the (d_model, heads, seq,
-    batch) GPT block timed for about ``seconds`` each. 20-40 s for 8 ranks with a pool's start."""
-    from tessera.testing import RankPool
-
-    if groups is None:
-        groups = [g for g in (2, 4, 8) if g <= world_size and world_size % g == 0]
-    start = time.perf_counter()
-    ranks = RankPool(world_size) if pool is None else pool
-    try:
-        args = (list(groups), list(message_bytes), matmul, block, seconds, repeats)
-        per_rank = ranks.run(measure_rank, *args, timeout=600)
-    finally:
-        if pool is None:
-            ranks.close()
-    samples = _samples(per_rank)
-    links = {
-        f"{op}:{size}": fit_link([s for s in samples if (s.op, s.group) == (op, size)]) for op in OPS for size in groups
-    }
-    rates = [statistics.fmean(r["rates"][i] for r in per_rank) for i in range(4)]
-    return Calibration(
-        world_size, rates[1], rates[2], rates[3], links, rates[0], tuple(samples), time.perf_counter() - start
-    )
-
-
-# ---- the cluster -----------------------------------------------------------------------------------------
 
 
 def host_memory_bytes() -> int:

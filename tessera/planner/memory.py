@@ -26,8 +26,8 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from tessera.planner.estimate import MemoryEstimate
 from tessera.planner.layout import Layout
+from tessera.planner.results import MemoryEstimate
 from tessera.planner.spec import ModelSpec, Workload
 
 MIB = 2**20

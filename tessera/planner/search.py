@@ -309,17 +309,16 @@ class _Search:
         per_replica = self.workload.global_batch // shape.data
         for schedule, chunks in schedules_of(self.model, shape, self.limits):
             sizes = micro_batches(per_replica, shape, schedule, self.limits)
-            if not sizes:
-                continue
-            if not self.lightest_fits(shape, zero, offloads, schedule, chunks, sizes, per_replica):
+            if schedule == "gpipe" and "1f1b" in self.limits.schedules and not self.limits.exhaustive:
+                # with m >= p micro-batches GPipe is 1F1B's bubble and traffic with more of them in flight
+                kept = [mb for mb in sizes if per_replica // mb < shape.pipeline]
+                self.stats.dominated += len(sizes) - len(kept)
+                sizes = kept
+            if not sizes or not self.lightest_fits(shape, zero, offloads, schedule, chunks, sizes, per_replica):
                 continue
             over: set[tuple[bool, str]] = set()
             for mb in sizes:
                 m = per_replica // mb
-                if schedule == "gpipe" and m >= shape.pipeline and "1f1b" in self.limits.schedules:
-                    if not self.limits.exhaustive:
-                        self.stats.dominated += 1  # 1F1B's bubble and traffic, fewer micro-batches in flight
-                        continue
                 base = replace(shape, zero=zero, schedule=schedule, chunks=chunks, microbatches=m, micro_batch=mb)
                 self.walk_variants(base, offloads, over if m > 1 else set())
 

@@ -16,8 +16,8 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from tessera.planner.estimate import TimeEstimate
 from tessera.planner.layout import Layout
+from tessera.planner.results import TimeEstimate
 from tessera.planner.spec import Cluster, Link, ModelSpec, Workload
 
 #: op -> k in "k (P-1)/P x payload" (the ledger's ring factors); send and recv count the payload

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from tessera.bench.calibrate import calibrate
 from tessera.planner import Layout, Workload
-from tessera.planner.calibrate import OPS, calibrate, calibrated_cluster, describe, fit_link
+from tessera.planner.calibrate import OPS, calibrated_cluster, describe, fit_link
 from tessera.planner.spec import from_gpt_preset
 from tessera.planner.timing import axis_link, predict_time
 

@@ -28,7 +28,7 @@ RANKS: dict[str, float] = {
     "models": 5.0,
     "hf": 5.0,  # policies that parallelize unmodified transformers models
     "data": 5.0,
-    "planner": 5.0,  # the auto-parallel planner: cost models over model shapes, layout search
+    "planner": 5.05,  # the auto-parallel planner: cost models over model shapes, layout search
     "inference": 5.1,  # generation with a paged KV cache over models and hf
     "config": 6.0,  # builds the options of the layers below from a config
     "session": 6.1,  # the current run: context, config, tessera.initialize
