@@ -3,6 +3,7 @@ collective together (the figures and their fit are :mod:`tessera.planner.calibra
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -87,24 +88,52 @@ def _run_op(op: str, tensor: Any, group: Any) -> None:
         comm.batch_p2p([comm.P2POp("send", tensor[:half], group, nxt), comm.P2POp("recv", tensor[half:], group, prev)])
 
 
-def _time_op(op: str, nbytes: int, group: Any, world: Any, calls: int, warm: bool) -> tuple[int, float, float]:
-    """(calls, logical bytes, seconds) of ``calls`` calls on this rank, after a barrier over the
-    world (every group runs at once) and, with ``warm``, one call untimed."""
+def _timed(work: Any, op: str | None, tensor: Any, group: Any, world: Any, calls: int) -> float:
+    """Seconds of ``calls`` rounds of ``work()`` followed by one ``op`` (none: ``work`` alone),
+    started together after a barrier over the world (every group runs at once)."""
+    from tessera import comm
+
+    comm.barrier(world)
+    start = time.perf_counter()
+    for _ in range(calls):
+        work()
+        if op is not None:
+            _run_op(op, tensor, group)
+    return time.perf_counter() - start
+
+
+def _time_ops(group: Any, world: Any, work: Any, message_bytes: Sequence[int], repeats: int, calls: int) -> list[Any]:
+    """(op, group, calls, logical bytes, seconds) per op and message size on this rank: the median
+    over ``repeats`` of rounds of a compute chunk and the op, less the median of the chunk alone.
+    Between computes, as in training: a collective waits for its members to be scheduled, which
+    on ranks sharing cores costs more than back-to-back calls show."""
     import torch
 
     from tessera import comm
 
-    numel = max(2 * group.size, nbytes // 4 // (2 * group.size) * (2 * group.size))
-    tensor = torch.randn(numel)
-    if warm:
-        _run_op(op, tensor, group)
-    comm.barrier(world)
-    with comm.ledger() as led:
-        start = time.perf_counter()
-        for _ in range(calls):
-            _run_op(op, tensor, group)
-        seconds = time.perf_counter() - start
-    return led.calls(), float(led.bytes()), seconds
+    tensors = {
+        n: torch.randn(max(2 * group.size, n // 4 // (2 * group.size) * (2 * group.size))) for n in message_bytes
+    }
+    counted: dict[tuple[str, int], tuple[int, float]] = {}
+    for op in OPS:  # warm up each op and size, and count its ledger bytes
+        for n, tensor in tensors.items():
+            with comm.ledger() as led:
+                _run_op(op, tensor, group)
+            counted[op, n] = (led.calls(), float(led.bytes()))
+    alone: list[float] = []
+    runs: dict[tuple[str, int], list[float]] = {}
+    for _ in range(repeats):
+        alone.append(_timed(work, None, None, group, world, calls))
+        for op in OPS:
+            for n, tensor in tensors.items():
+                runs.setdefault((op, n), []).append(_timed(work, op, tensor, group, world, calls))
+    base = statistics.median(alone)
+    out = []
+    for (op, n), times in runs.items():
+        per_call, nbytes = counted[op, n]
+        seconds = max(statistics.median(times) - base, 1e-6 * calls)
+        out.append((op, group.size, calls * per_call, calls * nbytes, seconds))
+    return out
 
 
 def measure_rank(
@@ -115,9 +144,9 @@ def measure_rank(
     seconds: float,
     repeats: int,
 ) -> dict[str, Any]:
-    """The measurements of one rank (run on every rank of a pool at once): its compute rates,
-    and per group size, op and message size the median of ``repeats`` timed runs (the runs of
-    all ops interleaved, so that a burst of load elsewhere does not fall on one op)."""
+    """The measurements of one rank (run on every rank of a pool at once): its compute rates, and
+    per group size, op and message size the collective's time between compute chunks (a
+    ``matmul`` product each)."""
     import torch
 
     from tessera.testing import use_layout
@@ -125,17 +154,16 @@ def measure_rank(
     torch.set_num_threads(1)
     world = use_layout().group("data")
     rates = _compute_rates(matmul, block, seconds)
-    timed: list[tuple[str, int, int, float, float]] = []
+    m, k, n = matmul
+    a, b, out = torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)
+
+    def work() -> None:
+        torch.mm(a, b, out=out)
+
+    timed: list[Any] = []
     for size in groups:
         group = use_layout(tensor=size).group("tensor")
-        runs: dict[tuple[str, int], list[tuple[int, float, float]]] = {}
-        for rep in range(repeats):
-            for op in OPS:
-                for nbytes in message_bytes:
-                    calls = 4 if nbytes <= 2**17 else 2
-                    runs.setdefault((op, nbytes), []).append(_time_op(op, nbytes, group, world, calls, rep == 0))
-        for (op, _), done in runs.items():
-            timed.append((op, size, done[0][0], done[0][1], statistics.median(r[2] for r in done)))
+        timed += _time_ops(group, world, work, message_bytes, repeats, calls=4)
     use_layout()
     return {"rates": rates, "timed": timed}
 
@@ -176,9 +204,16 @@ def calibrate(
         f"{op}:{size}": fit_link([s for s in samples if (s.op, s.group) == (op, size)]) for op in OPS for size in groups
     }
     rates = [statistics.fmean(r["rates"][i] for r in per_rank) for i in range(4)]
-    return Calibration(
-        world_size, rates[1], rates[2], rates[3], links, rates[0], tuple(samples), time.perf_counter() - start
-    )
+    took, sharing = time.perf_counter() - start, max(1.0, world_size / cpu_cores())
+    return Calibration(world_size, rates[1], rates[2], rates[3], links, rates[0], tuple(samples), took, sharing)
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 # ---- the cluster -----------------------------------------------------------------------------------------

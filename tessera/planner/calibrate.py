@@ -14,6 +14,7 @@ counts (logical bytes), so that the planner's byte counts convert to seconds dir
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 from collections.abc import Sequence
@@ -48,7 +49,9 @@ class Calibration:
     backward, flop/s: what the planner divides a layout's work by), ``optimizer_rate`` (AdamW,
     bytes of fp32 parameters per second), ``copy_rate`` (memory copy, bytes/s), ``links``
     ("OP:SIZE" -> fitted :class:`Link`), ``matmul_flops`` (one bare product, flop/s), the
-    ``samples`` the links were fitted on and the ``seconds`` the calibration took."""
+    ``samples`` the links were fitted on, the ``seconds`` the calibration took, and
+    ``ranks_per_core``: ranks over the cores they run on (at least 1), how much faster one rank
+    computes while the others wait."""
 
     world_size: int
     flops: float
@@ -58,6 +61,7 @@ class Calibration:
     matmul_flops: float = 0.0
     samples: tuple[Sample, ...] = field(default=(), repr=False)
     seconds: float = 0.0
+    ranks_per_core: float = 1.0
 
     def predict(self, sample: Sample) -> float:
         """Seconds the fitted link of ``sample``'s op and group gives for its calls and bytes."""
@@ -117,6 +121,9 @@ def calibrated_cluster(
     devices = devices or calibration.world_size
     sizes = [int(key.split(":")[1]) for key in calibration.links if key.startswith("all_reduce:")]
     intra = calibration.links[f"all_reduce:{max(sizes)}"] if sizes else Link(1e9, 1e-4)
+    extra: dict[str, Any] = {}
+    if "ranks_per_core" in {f.name for f in dataclasses.fields(Cluster)}:  # ranks sharing cores
+        extra["ranks_per_core"] = calibration.ranks_per_core
     return Cluster(
         devices=devices,
         device_memory=device_memory or host_memory_bytes() // devices,
@@ -128,6 +135,7 @@ def calibrated_cluster(
         axis_links=dict(calibration.links),
         optimizer_rate=calibration.optimizer_rate,
         name=f"this machine, {devices} ranks (calibrated with {calibration.world_size})",
+        **extra,
     )
 
 
@@ -136,7 +144,8 @@ def describe(calibration: Calibration) -> str:
     c = calibration
     lines = [
         f"calibrated with {c.world_size} ranks in {c.seconds:.1f} s, per rank: GPT block {c.flops / 1e9:.2f} GFLOP/s "
-        f"(bare matmul {c.matmul_flops / 1e9:.2f}), AdamW {c.optimizer_rate / 1e9:.2f} GB/s, copy {c.copy_rate / 1e9:.2f} GB/s"
+        f"(bare matmul {c.matmul_flops / 1e9:.2f}), AdamW {c.optimizer_rate / 1e9:.2f} GB/s, copy {c.copy_rate / 1e9:.2f} GB/s, "
+        f"{c.ranks_per_core:g} ranks per core"
     ]
     for key, link in sorted(calibration.links.items()):
         lines.append(f"  {key:18s} latency {link.latency * 1e6:8.1f} us  bandwidth {link.bandwidth / 1e9:7.3f} GB/s")

@@ -650,12 +650,14 @@ class _StagePlan:
 
 
 @lru_cache(maxsize=16384)
-def _plans(model: ModelSpec, layout: Layout, workload: Workload) -> tuple[_StagePlan, ...]:
-    """What does not depend on the cluster, once per distinct stage."""
+def _plans(model: ModelSpec, layout: Layout, workload: Workload) -> tuple[tuple[_StagePlan, int], ...]:
+    """What does not depend on the cluster, once per distinct stage, with how many pipeline ranks
+    hold such a stage."""
+    cut = stages(model, layout.pipeline, layout.chunks)
     out = []
-    for st in dict.fromkeys(stages(model, layout.pipeline, layout.chunks)):
+    for st in dict.fromkeys(cut):
         traffic = tuple(stage_traffic(model, layout, workload, st).values())
-        out.append(_StagePlan(st, traffic, stage_work(model, layout, workload, st)))
+        out.append((_StagePlan(st, traffic, stage_work(model, layout, workload, st)), cut.count(st)))
     return tuple(out)
 
 
@@ -748,15 +750,35 @@ def _optimizer_time(model: ModelSpec, layout: Layout, workload: Workload, cluste
 
 def predict_time(model: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster) -> TimeEstimate:
     """Seconds of one optimizer step of ``layout`` on ``cluster``: the slowest stage's compute
-    and exposed communication, the pipeline bubble behind it, and the optimizer step."""
-    times = [_stage_time(plan, layout, cluster) for plan in _plans(model, layout, workload)]
-    slow = max(times, key=lambda t: t.compute + t.exposed)
-    bubble = 0.0
-    if layout.pipeline > 1:
-        w = slow.work
-        scale = slow.per_micro / w.total if w.total else 0.0
-        f, b, wt = w.forward * scale, (w.backward / 2 + w.recompute) * scale, w.backward / 2 * scale
-        bubble = pipeline_bubble(layout.schedule, layout.pipeline, layout.microbatches, layout.chunks, f, b, wt)
+    and exposed communication, the pipeline bubble behind it, and the optimizer step. Where ranks
+    share cores (``ranks_per_core`` k > 1: CPU ranks), a waiting rank's core runs the others'
+    work: the step is the mean rank's busy time, or the slowest rank's path run k times faster
+    with its bubble, whichever is longer (compute and exposed_comm are then the mean rank's)."""
+    plans = _plans(model, layout, workload)
+    times = [(_stage_time(plan, layout, cluster), count) for plan, count in plans]
+    slow = max((t for t, _ in times), key=lambda t: t.compute + t.exposed)
+    bubble = _bubble(layout, slow)
     optimizer = _optimizer_time(model, layout, workload, cluster)
-    step = slow.compute + slow.exposed + bubble + optimizer
-    return TimeEstimate(slow.compute, slow.comm, slow.exposed, bubble, optimizer, step)
+    shared = float(getattr(cluster, "ranks_per_core", 1.0))  # calibration sets it on CPU ranks; else own cores
+    if shared <= 1.0:
+        return TimeEstimate(
+            slow.compute, slow.comm, slow.exposed, bubble, optimizer, slow.compute + slow.exposed + bubble + optimizer
+        )
+    ranks = sum(count for _, count in times)
+    compute = sum(t.compute * count for t, count in times) / ranks
+    exposed = sum(t.exposed * count for t, count in times) / ranks
+    path = (slow.compute + slow.exposed + bubble) / shared
+    wait = max(0.0, path - compute - exposed)
+    return TimeEstimate(compute, slow.comm, exposed, wait, optimizer, compute + exposed + wait + optimizer)
+
+
+def _bubble(layout: Layout, slow: _StageTime) -> float:
+    """The idle time of the slowest stage's pipeline: its micro-batch's forward, input-gradient
+    (with recomputation) and weight-gradient times (exposed tensor and sequence communication
+    shared out in proportion) into the schedule's bubble."""
+    if layout.pipeline == 1:
+        return 0.0
+    w = slow.work
+    scale = slow.per_micro / w.total if w.total else 0.0
+    f, b, wt = w.forward * scale, (w.backward / 2 + w.recompute) * scale, w.backward / 2 * scale
+    return pipeline_bubble(layout.schedule, layout.pipeline, layout.microbatches, layout.chunks, f, b, wt)

@@ -303,3 +303,22 @@ def test_predictions_are_fast_enough_for_the_search():
     took = time.perf_counter() - start
     REPORT.append(f"planner: 10,000 step-time predictions of llama:70b on 1,024 GPUs in {took:.2f} s")
     assert all(s > 0 for s in steps)
+
+
+def shared(cluster: Cluster, ranks_per_core: float) -> Cluster:
+    """``cluster`` with ranks sharing cores (set on the instance until Cluster has the field)."""
+    out = dataclasses.replace(cluster)
+    object.__setattr__(out, "ranks_per_core", ranks_per_core)
+    return out
+
+
+def test_on_shared_cores_a_waiting_ranks_core_runs_the_others_work():
+    model, w = gpt(8), Workload(global_batch=8)
+    pipe, data = Layout(pipeline=4, microbatches=8, micro_batch=1), Layout(data=4, micro_batch=2)
+    alone = {name: predict_time(model, lay, w, CLUSTER) for name, lay in (("pp", pipe), ("dp", data))}
+    two = {name: predict_time(model, lay, w, shared(CLUSTER, 2.0)) for name, lay in (("pp", pipe), ("dp", data))}
+    assert alone["pp"].bubble > 0 and alone["pp"].step > alone["dp"].step  # own cores: the bubble costs
+    assert two["pp"].step < alone["pp"].step and two["pp"].bubble < alone["pp"].bubble
+    assert two["dp"].step == pytest.approx(alone["dp"].step)  # nobody waits: nothing to share
+    for t in two.values():
+        assert t.step == pytest.approx(t.compute + t.exposed_comm + t.bubble + t.optimizer)
