@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tessera.errors import ConfigError
-from tessera.planner.estimate import Estimate, estimate
+from tessera.planner.estimate import Estimate, MemoryEstimate, estimate
 from tessera.planner.layout import Checkpointing, Layout, Schedule, SequenceMode, TensorMode
 from tessera.planner.spec import Cluster, ModelSpec, Workload
 
@@ -258,6 +258,16 @@ class _Search:
         self.fitting: list[Estimate] = []
         self.closest: tuple[int, Layout] | None = None  # least peak memory seen among those that do not fit
         self.floors: list[tuple[float, Layout]] = []  # groups pruned by the bound: their bound and lightest layout
+        self.memories: dict[Layout, MemoryEstimate] = {}
+
+    def memory(self, layout: Layout) -> MemoryEstimate:
+        """:func:`~tessera.planner.memory.predict_memory` of ``layout``, once per layout."""
+        from tessera.planner.memory import predict_memory
+
+        found = self.memories.get(layout)
+        if found is None:
+            found = self.memories[layout] = predict_memory(self.model, layout, self.workload)
+        return found
 
     def pinned(self, layout: Layout, names: Sequence[str] | None = None) -> bool:
         pins = self.limits.pins
@@ -335,15 +345,13 @@ class _Search:
         """Whether some checkpointing of the smallest micro-batch (or of the one-micro-batch step)
         fits with offload if any; when none does, the group is counted over memory untried.
         (Checkpointing is tried in full: a recomputed block's transient can outweigh what it saves.)"""
-        from tessera.planner.memory import predict_memory
-
         for mb in dict.fromkeys((sizes[0], sizes[-1])):
             for ckpt in self.limits.checkpointing:
                 light = replace(shape, zero=zero, offload=offloads[-1], checkpoint=ckpt, schedule=schedule,
                                 chunks=chunks, microbatches=per // mb, micro_batch=mb)  # fmt: skip
                 if light.problems():
                     return True  # let the walk count it
-                memory = predict_memory(self.model, light, self.workload)
+                memory = self.memory(light)
                 if self.memory_fits(memory.peak, memory.host):
                     return True
                 if self.closest is None or memory.peak < self.closest[0]:
@@ -358,8 +366,6 @@ class _Search:
         that fits ends each offload's walk, and offload is tried only where it lets a lighter
         checkpointing fit: the rest add time (recomputation, host copies) and save memory not needed.
         ``over``: the (offload, checkpointing) found over memory at a smaller micro-batch."""
-        from tessera.planner.memory import predict_memory
-
         ckpts = self.limits.checkpointing
         lightest: int | None = None  # index of the lightest checkpointing that fits without offload
         for offload in offloads:
@@ -376,7 +382,7 @@ class _Search:
                 if layout.problems():
                     self.stats.rejected += 1
                     continue
-                memory = predict_memory(self.model, layout, self.workload)
+                memory = self.memory(layout)
                 if not self.memory_fits(memory.peak, memory.host):
                     self.stats.too_big += 1
                     over.add((offload, ckpt))
@@ -404,8 +410,6 @@ class _Search:
     def nearest_miss(self) -> Estimate | None:
         """When nothing fits: the layout that misses the device memory by least (the lightest variant
         of the groups with the lowest model-state bounds are estimated for it)."""
-        from tessera.planner.memory import predict_memory
-
         candidates = [self.closest[1]] if self.closest else []
         per_layout = self.workload.global_batch
         for _, group in sorted(self.floors, key=lambda f: f[0])[:16]:
@@ -418,7 +422,7 @@ class _Search:
                 candidates.append(light)
         if not candidates:
             return None
-        best = min(candidates, key=lambda lay: predict_memory(self.model, lay, self.workload).peak)
+        best = min(candidates, key=lambda lay: self.memory(lay).peak)
         return estimate(self.model, best, self.workload, self.cluster)
 
 
@@ -504,12 +508,16 @@ def link_of(layout: Layout, axis: str, cluster: Cluster) -> str:
 
 
 def _traffic_words(model: ModelSpec, layout: Layout, workload: Workload, axis: str) -> str:
-    """The largest ops of ``axis`` in one step on the busiest rank, e.g. ``all_gather 140 GB``."""
-    from tessera.planner.timing import step_traffic
+    """The two largest ops on ``axis`` (its sub-axes summed: 2d rows and columns are the tensor
+    axis) in one step on the busiest rank, as the ledger counts them: ``all-gathers of 140.0 GiB``."""
+    from tessera.planner.timing import base_axis, step_traffic
 
-    ops = [(t.bytes, t.op) for t in step_traffic(model, layout, workload).values() if t.axis == axis]
-    top = sorted(ops, reverse=True)[:2]
-    return " + ".join(f"{op.replace('_', '-')}s of {fmt_bytes(nbytes)}" for nbytes, op in top if nbytes > 0)
+    ops: dict[str, float] = {}
+    for t in step_traffic(model, layout, workload).values():
+        if base_axis(t.axis) == axis:
+            ops[t.op] = ops.get(t.op, 0.0) + t.bytes
+    top = sorted(((nbytes, op) for op, nbytes in ops.items() if nbytes > 0), reverse=True)[:2]
+    return " + ".join(f"{op.replace('_', '-')}s of {fmt_bytes(nbytes)}" for nbytes, op in top)
 
 
 def _comm_part(a: Estimate, b: Estimate, plan: Plan) -> str:
