@@ -709,15 +709,20 @@ def _stage_time(plan: _StagePlan, layout: Layout, cluster: Cluster) -> _StageTim
         comm[base_axis(axis)] += sec
     work = plan.work
     compute = m * work.total / rate
+    # overlap needs idle hardware to move the bytes: ranks sharing cores have none (gloo's copies
+    # and sums run on the cores that compute), so there communication adds to compute
+    overlap = ranks_per_core(cluster) <= 1.0
     seq = comm["sequence"]
-    if layout.sequence_mode == "ring":  # transfers overlap the block computations
+    if layout.sequence_mode == "ring" and overlap:  # transfers overlap the block computations
         seq = max(0.0, seq - m * work.attention / rate)
     critical = comm["tensor"] + seq
     replica = replica_axis(layout)[0]
     data_secs = {op: sec for (op, axis), sec in secs.items() if axis == replica}
     data_calls = {t.op: t.calls for t in plan.traffic if t.axis == replica}
     fwd, bwd = work.forward / rate, (work.backward + work.recompute) / rate
-    exposed = critical + _data_exposed(layout, data_secs, data_calls, fwd, bwd)
+    exposed = critical + (
+        _data_exposed(layout, data_secs, data_calls, fwd, bwd) if overlap else sum(data_secs.values())
+    )
     exposed += _pipeline_exposed(layout, cluster, plan.traffic, secs)
     return _StageTime(compute, comm, exposed, (compute + critical) / m, work)
 
@@ -759,7 +764,7 @@ def predict_time(model: ModelSpec, layout: Layout, workload: Workload, cluster: 
     slow = max((t for t, _ in times), key=lambda t: t.compute + t.exposed)
     bubble = _bubble(layout, slow)
     optimizer = _optimizer_time(model, layout, workload, cluster)
-    shared = float(getattr(cluster, "ranks_per_core", 1.0))  # calibration sets it on CPU ranks; else own cores
+    shared = ranks_per_core(cluster)
     if shared <= 1.0:
         return TimeEstimate(
             slow.compute, slow.comm, slow.exposed, bubble, optimizer, slow.compute + slow.exposed + bubble + optimizer
@@ -770,6 +775,11 @@ def predict_time(model: ModelSpec, layout: Layout, workload: Workload, cluster: 
     path = (slow.compute + slow.exposed + bubble) / shared
     wait = max(0.0, path - compute - exposed)
     return TimeEstimate(compute, slow.comm, exposed, wait, optimizer, compute + exposed + wait + optimizer)
+
+
+def ranks_per_core(cluster: Cluster) -> float:
+    """Ranks sharing one core (calibration measures it for CPU ranks); 1: each rank its own."""
+    return float(getattr(cluster, "ranks_per_core", 1.0))
 
 
 def _bubble(layout: Layout, slow: _StageTime) -> float:
