@@ -122,9 +122,10 @@ def calibrated_cluster(
     sizes = [int(key.split(":")[1]) for key in calibration.links if key.startswith("all_reduce:")]
     intra = calibration.links[f"all_reduce:{max(sizes)}"] if sizes else Link(1e9, 1e-4)
     extra: dict[str, Any] = {}
-    if "ranks_per_core" in {f.name for f in dataclasses.fields(Cluster)}:  # ranks sharing cores
+    has_field = "ranks_per_core" in {f.name for f in dataclasses.fields(Cluster)}
+    if has_field:
         extra["ranks_per_core"] = calibration.ranks_per_core
-    return Cluster(
+    cluster = Cluster(
         devices=devices,
         device_memory=device_memory or host_memory_bytes() // devices,
         flops=calibration.flops,
@@ -137,6 +138,9 @@ def calibrated_cluster(
         name=f"this machine, {devices} ranks (calibrated with {calibration.world_size})",
         **extra,
     )
+    if not has_field:  # until Cluster has the field: planner.timing reads the attribute
+        object.__setattr__(cluster, "ranks_per_core", calibration.ranks_per_core)
+    return cluster
 
 
 def describe(calibration: Calibration) -> str:

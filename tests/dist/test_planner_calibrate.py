@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from tessera.bench.calibrate import calibrate
+from tessera.bench.calibrate import calibrate, cpu_cores
 from tessera.planner import Layout, Workload
 from tessera.planner.calibrate import OPS, calibrated_cluster, describe, fit_link
 from tessera.planner.spec import from_gpt_preset
-from tessera.planner.timing import axis_link, predict_time
+from tessera.planner.timing import axis_link, predict_time, ranks_per_core
 
 MESSAGES = (1024, 8192, 65536)
 
@@ -61,6 +61,7 @@ def test_the_calibrated_cluster_carries_the_links_to_the_planner(calibration):
     cluster = calibrated_cluster(calibration, device_memory=2**30)
     assert (cluster.devices, cluster.devices_per_node, cluster.device_memory) == (4, 4, 2**30)
     assert cluster.flops == calibration.flops and cluster.optimizer_rate == calibration.optimizer_rate
+    assert ranks_per_core(cluster) == calibration.ranks_per_core == max(1.0, 4 / cpu_cores())
     assert axis_link(cluster, Layout(data=4), "data", "all_reduce", 4) == calibration.links["all_reduce:4"]
     assert axis_link(cluster, Layout(tensor=2, data=2), "tensor", "all_reduce", 2) == calibration.links["all_reduce:2"]
     model = from_gpt_preset("tiny")
