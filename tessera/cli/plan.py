@@ -51,7 +51,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "lamb", "lars"), default="adamw")
     p.add_argument("--hardware", choices=sorted(HARDWARE), default="a100-80gb",
                    help="device and link figures (default a100-80gb: 312 TFLOP/s bf16, NVLink 230 GB/s, InfiniBand "
-                   f"24 GB/s per GPU; compute at {UTILISATION:.0%} of peak)")  # fmt: skip
+                   f"24 GB/s per GPU; compute at {UTILISATION * 100:.0f}%% of peak)")  # fmt: skip
     p.add_argument("--flops", type=float, default=None, help="sustained FLOP/s per device (overrides --hardware)")
     p.add_argument("--intra-bw", type=float, default=None, metavar="GB/S", help="bandwidth within a node, GB/s")
     p.add_argument("--inter-bw", type=float, default=None, metavar="GB/S", help="bandwidth across nodes, GB/s")

@@ -214,3 +214,13 @@ def test_batch_parts_follow_the_tensor_mode():
     assert batch_parts(Layout(tensor=8, tensor_mode="2.5d", depth=2)) == 4
     assert batch_parts(Layout(tensor=8, tensor_mode="3d")) == 2
     assert batch_parts(Layout(tensor=4)) == 1
+
+
+def test_tessera_plan_help_lists_every_flag(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["plan", "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--model", "--devices", "--nodes", "--device-memory", "--global-batch", "--seq-len", "--dtype",
+                 "--calibrate", "--top", "--out", "--flops", "--intra-bw", "--inter-bw", "50% of peak"):  # fmt: skip
+        assert flag in text
