@@ -529,10 +529,10 @@ def _comm_part(a: Estimate, b: Estimate, plan: Plan) -> str:
     ax = max(sorted(gains), key=lambda k: gains[k])
     before, after = b.time.comm.get(ax, 0.0), a.time.comm.get(ax, 0.0)
     words = _traffic_words(plan.model, b.layout, plan.workload, ax)
-    where = link_of(b.layout, ax, plan.cluster) + (f": {words} a step" if words else "")
+    theirs = f"{words} a step {link_of(b.layout, ax, plan.cluster)}" if words else link_of(b.layout, ax, plan.cluster)
     if after == 0:
-        return text + f" (no {ax}-axis traffic against {fmt_time(before)} {where})"
-    return text + f" ({ax}-axis traffic {fmt_time(after)} against {fmt_time(before)} {where})"
+        return text + f" (no {ax}-axis traffic vs {fmt_time(before)}: {theirs})"
+    return text + f" ({ax}-axis traffic {fmt_time(after)} vs {fmt_time(before)}: {theirs})"
 
 
 def why(a: Estimate, b: Estimate, label: str, plan: Plan) -> str:
