@@ -327,10 +327,11 @@ class _Search:
             if not sizes or not self.lightest_fits(shape, zero, offloads, schedule, chunks, sizes, per_replica):
                 continue
             over: set[tuple[bool, str]] = set()
+            fitted: set[tuple[bool, str]] = set()
             for mb in sizes:
                 m = per_replica // mb
                 base = replace(shape, zero=zero, schedule=schedule, chunks=chunks, microbatches=m, micro_batch=mb)
-                self.walk_variants(base, offloads, over if m > 1 else set())
+                self.walk_variants(base, offloads, over if m > 1 else set(), fitted)
 
     def lightest_fits(
         self,
@@ -361,11 +362,14 @@ class _Search:
         self.stats.too_big += len(sizes) * len(offloads) * len(self.limits.checkpointing)
         return False
 
-    def walk_variants(self, base: Layout, offloads: list[bool], over: set[tuple[bool, str]]) -> None:
+    def walk_variants(
+        self, base: Layout, offloads: list[bool], over: set[tuple[bool, str]], fitted: set[tuple[bool, str]]
+    ) -> None:
         """Checkpointing and offload of one layout, lightest first. Without ``exhaustive``, the first
         that fits ends each offload's walk, and offload is tried only where it lets a lighter
         checkpointing fit: the rest add time (recomputation, host copies) and save memory not needed.
-        ``over``: the (offload, checkpointing) found over memory at a smaller micro-batch."""
+        ``over``/``fitted``: the (offload, checkpointing) found over memory / fitting at a smaller
+        micro-batch; the fitted are estimated at once (likely to fit again: one memory prediction)."""
         ckpts = self.limits.checkpointing
         lightest: int | None = None  # index of the lightest checkpointing that fits without offload
         for offload in offloads:
@@ -382,14 +386,21 @@ class _Search:
                 if layout.problems():
                     self.stats.rejected += 1
                     continue
-                memory = self.memory(layout)
-                if not self.memory_fits(memory.peak, memory.host):
+                if (offload, ckpt) in fitted:
+                    est = estimate(self.model, layout, self.workload, self.cluster)
+                    peak, host = est.memory.peak, est.memory.host
+                else:
+                    est = None
+                    memory = self.memory(layout)
+                    peak, host = memory.peak, memory.host
+                if not self.memory_fits(peak, host):
                     self.stats.too_big += 1
                     over.add((offload, ckpt))
-                    if self.closest is None or memory.peak < self.closest[0]:
-                        self.closest = (memory.peak, layout)
+                    if self.closest is None or peak < self.closest[0]:
+                        self.closest = (peak, layout)
                     continue
-                self.add(estimate(self.model, layout, self.workload, self.cluster))
+                fitted.add((offload, ckpt))
+                self.add(est or estimate(self.model, layout, self.workload, self.cluster))
                 if not self.limits.exhaustive:
                     lightest = i if not offload else lightest
                     self.stats.dominated += len(ckpts) - i - 1
