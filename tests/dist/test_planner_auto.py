@@ -50,7 +50,8 @@ def train(config: Config | None) -> list[float]:
     torch.manual_seed(0)
     model = gpt("tiny")
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
-    engine, loader, _, _ = tessera.initialize(model, optimizer, NextTokenLoss(), DataLoader(dataset(), batch_size=micro))
+    loader = DataLoader(dataset(), batch_size=micro)
+    engine, loader, _, _ = tessera.initialize(model, optimizer, NextTokenLoss(), loader)
     assert loader is not None
     it = iter(loader)
     return [engine.train_batch(it) for _ in range(STEPS)]
