@@ -192,15 +192,30 @@ def in_flight(schedule: str, p: int, m: int, v: int, waiting_w: float = 1.0) -> 
     return _in_flight(schedule, p, m, v, round(waiting_w, 3))
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=4096)
 def _in_flight(schedule: str, p: int, m: int, v: int, waiting_w: float) -> tuple[tuple[float, float], ...]:
     if p == 1:  # micro-batches one after another: the later ones beside the earlier ones' gradients
         return ((1.0, 1.0 if m > 1 else 0.0),)
-    from tessera.parallel.pipeline.actions import Kind
-    from tessera.parallel.pipeline.schedules import build_schedule
+    if schedule == "gpipe":  # every forward, then every backward
+        return tuple((float(m), float(m - 1)) for _ in range(p))
+    if m > 3 * p:  # the steady state repeats: the counts no longer change past 3p micro-batches
+        m = 3 * p
+    return _walk_orders(schedule, p, m, v, waiting_w)
 
+
+def _walk_orders(schedule: str, p: int, m: int, v: int, waiting_w: float) -> tuple[tuple[float, float], ...]:
+    """Walk each rank's compute order (transfers do not reorder computes)."""
+    from tessera.parallel.pipeline.actions import Kind
+    from tessera.parallel.pipeline.schedules import interleaved_order, one_f_one_b_order, zero_bubble_h1_order
+
+    if schedule == "interleaved":
+        orders = interleaved_order(p, m, v)
+    elif schedule == "zero_bubble":
+        orders = zero_bubble_h1_order(p, m)
+    else:
+        orders = one_f_one_b_order(p, m)
     out = []
-    for actions in build_schedule(schedule, p, m, v):
+    for actions in orders:
         alive, before, after, started = 0.0, 0.0, 0.0, False
         for action in actions:
             if action.kind is Kind.FORWARD:
@@ -256,6 +271,7 @@ def state_bytes(model: ModelSpec, layout: Layout, workload: Workload, elements: 
 # ---- the peak -----------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=65536)
 def predict_memory(model: ModelSpec, layout: Layout, workload: Workload) -> MemoryEstimate:
     """Peak bytes per rank of one training step of ``model`` under ``layout`` (see the module
     docstring); the rank with the highest peak."""
@@ -266,10 +282,14 @@ def predict_stage_memory(model: ModelSpec, layout: Layout, workload: Workload) -
     """:func:`predict_memory` for each pipeline rank (one entry without a pipeline)."""
     local = local_layer_parameters(model, layout)
     flights = in_flight(layout.schedule, layout.pipeline, layout.microbatches, layout.chunks, _waiting_w(model, layout))
-    return [
-        _rank_peak(model, layout, workload, layers, sum(local[i] for i in layers), flights[rank])
-        for rank, layers in enumerate(stage_layers(model, layout))
-    ]
+    done: dict[tuple[tuple[int, ...], tuple[float, float]], MemoryEstimate] = {}
+    out = []
+    for rank, layers in enumerate(stage_layers(model, layout)):
+        key = (tuple(layers), flights[rank])  # many ranks of a long pipeline are alike
+        if key not in done:
+            done[key] = _rank_peak(model, layout, workload, layers, sum(local[i] for i in layers), flights[rank])
+        out.append(done[key])
+    return out
 
 
 def _rank_peak(
