@@ -647,6 +647,7 @@ class _StagePlan:
     stage: Stage
     traffic: tuple[Traffic, ...]
     work: StageWork
+    parameters: float  # local_parameters of the stage
 
 
 @lru_cache(maxsize=16384)
@@ -657,7 +658,8 @@ def _plans(model: ModelSpec, layout: Layout, workload: Workload) -> tuple[tuple[
     out = []
     for st in dict.fromkeys(cut):
         traffic = tuple(stage_traffic(model, layout, workload, st).values())
-        out.append((_StagePlan(st, traffic, stage_work(model, layout, workload, st)), cut.count(st)))
+        plan = _StagePlan(st, traffic, stage_work(model, layout, workload, st), local_parameters(model, layout, st))
+        out.append((plan, cut.count(st)))
     return tuple(out)
 
 
@@ -741,10 +743,10 @@ def _pipeline_exposed(layout: Layout, cluster: Cluster, traffic: tuple[Traffic, 
     return exposed
 
 
-def _optimizer_time(model: ModelSpec, layout: Layout, workload: Workload, cluster: Cluster) -> float:
-    """The elementwise update of this rank's fp32 parameters (a ZeRO shard: 1/replicas), on the
-    device, or with offload on the host plus the copies of gradients down and parameters up."""
-    heaviest = max(local_parameters(model, layout, st) for st in stages(model, layout.pipeline, layout.chunks))
+def _optimizer_time(heaviest: float, layout: Layout, workload: Workload, cluster: Cluster) -> float:
+    """The elementwise update of the ``heaviest`` stage's fp32 parameters on a rank (a ZeRO shard:
+    1/replicas), on the device, or with offload on the host plus the copies of gradients down and
+    parameters up."""
     shard = heaviest / (replica_axis(layout)[1] if layout.zero else 1)
     if not layout.offload:
         return 4 * shard / (cluster.optimizer_rate or cluster.flops / 8)
@@ -763,7 +765,7 @@ def predict_time(model: ModelSpec, layout: Layout, workload: Workload, cluster: 
     times = [(_stage_time(plan, layout, cluster), count) for plan, count in plans]
     slow = max((t for t, _ in times), key=lambda t: t.compute + t.exposed)
     bubble = _bubble(layout, slow)
-    optimizer = _optimizer_time(model, layout, workload, cluster)
+    optimizer = _optimizer_time(max(plan.parameters for plan, _ in plans), layout, workload, cluster)
     shared = ranks_per_core(cluster)
     if shared <= 1.0:
         return TimeEstimate(
