@@ -14,7 +14,6 @@ counts (logical bytes), so that the planner's byte counts convert to seconds dir
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import statistics
 from collections.abc import Sequence
@@ -121,11 +120,7 @@ def calibrated_cluster(
     devices = devices or calibration.world_size
     sizes = [int(key.split(":")[1]) for key in calibration.links if key.startswith("all_reduce:")]
     intra = calibration.links[f"all_reduce:{max(sizes)}"] if sizes else Link(1e9, 1e-4)
-    extra: dict[str, Any] = {}
-    has_field = "ranks_per_core" in {f.name for f in dataclasses.fields(Cluster)}
-    if has_field:
-        extra["ranks_per_core"] = calibration.ranks_per_core
-    cluster = Cluster(
+    return Cluster(
         devices=devices,
         device_memory=device_memory or host_memory_bytes() // devices,
         flops=calibration.flops,
@@ -136,11 +131,8 @@ def calibrated_cluster(
         axis_links=dict(calibration.links),
         optimizer_rate=calibration.optimizer_rate,
         name=f"this machine, {devices} ranks (calibrated with {calibration.world_size})",
-        **extra,
+        ranks_per_core=calibration.ranks_per_core,
     )
-    if not has_field:  # until Cluster has the field: planner.timing reads the attribute
-        object.__setattr__(cluster, "ranks_per_core", calibration.ranks_per_core)
-    return cluster
 
 
 def describe(calibration: Calibration) -> str:

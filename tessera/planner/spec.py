@@ -397,6 +397,8 @@ class Cluster:
     axis_links: dict[str, Link] = field(default_factory=dict)
     #: rate of the optimizer's elementwise update, bytes of parameters per second (None: flops/8)
     optimizer_rate: float | None = None
+    #: ranks sharing one core (CPU ranks over fewer cores, measured by calibration); 1: each its own
+    ranks_per_core: float = 1.0
     name: str = "cluster"
 
     def __post_init__(self) -> None:

@@ -781,7 +781,7 @@ def predict_time(model: ModelSpec, layout: Layout, workload: Workload, cluster: 
 
 def ranks_per_core(cluster: Cluster) -> float:
     """Ranks sharing one core (calibration measures it for CPU ranks); 1: each rank its own."""
-    return float(getattr(cluster, "ranks_per_core", 1.0))
+    return cluster.ranks_per_core
 
 
 def _bubble(layout: Layout, slow: _StageTime) -> float:

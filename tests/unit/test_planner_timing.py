@@ -306,10 +306,8 @@ def test_predictions_are_fast_enough_for_the_search():
 
 
 def shared(cluster: Cluster, ranks_per_core: float) -> Cluster:
-    """``cluster`` with ranks sharing cores (set on the instance until Cluster has the field)."""
-    out = dataclasses.replace(cluster)
-    object.__setattr__(out, "ranks_per_core", ranks_per_core)
-    return out
+    """``cluster`` with ranks sharing cores."""
+    return dataclasses.replace(cluster, ranks_per_core=ranks_per_core)
 
 
 def test_on_shared_cores_waiting_is_cheap_and_overlap_is_gone():
