@@ -74,10 +74,24 @@ def _batches(
     return out
 
 
-def _config(layout: Layout) -> dict[str, Any]:
-    cfg = layout.to_config()
-    cfg.pop("data", None)  # the data section is tessera train's, not the engine's
-    return cfg
+def use_planned_layout(layout: Layout):  # type: ignore[no-untyped-def]
+    """This rank's context for ``layout`` (a pool's rank), with the engine's config sections
+    (ZeRO, checkpointing, the pipeline's schedule) in the session."""
+    from tessera.testing import use_layout
+
+    config = layout.to_config()
+    config.pop("data", None)  # the data section is tessera train's, not the engine's
+    return use_layout(
+        data=layout.data,
+        pipeline=layout.pipeline,
+        sequence=layout.sequence,
+        tensor=layout.tensor,
+        mode=layout.tensor_mode,
+        depth=layout.depth,
+        sequence_parallel=layout.sequence_parallel,
+        sequence_mode=layout.sequence_mode,
+        config=config,
+    )
 
 
 def _build(layout: Layout, preset: str, seq: int, overrides: dict[str, Any]):  # type: ignore[no-untyped-def]
@@ -102,20 +116,9 @@ def measure_body(layout_fields: dict[str, Any], preset: str, seq: int, steps: in
         trim_heap,
     )
     from tessera.models.gpt import PRESETS
-    from tessera.testing import use_layout
 
     layout = Layout(**layout_fields)
-    ctx = use_layout(
-        data=layout.data,
-        pipeline=layout.pipeline,
-        sequence=layout.sequence,
-        tensor=layout.tensor,
-        mode=layout.tensor_mode,
-        depth=layout.depth,
-        sequence_parallel=layout.sequence_parallel,
-        sequence_mode=layout.sequence_mode,
-        config=_config(layout),
-    )
+    ctx = use_planned_layout(layout)
     map_large_allocations()
     vocab = PRESETS[preset].vocab_size
     batches = _batches(layout, vocab, seq, steps + timed, 1 + ctx.group("data").rank)

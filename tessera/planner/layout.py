@@ -59,6 +59,16 @@ class Layout:
             return round(self.tensor ** (1 / 3))
         return self.tensor
 
+    @property
+    def splits(self) -> tuple[int, int]:
+        """How many ways the tensor mode splits a weight matrix and a hidden vector (a bias, a
+        norm): 1d (t, 1: vectors mostly whole), 2d and 2.5d (q^2, q; 2.5d's depth holds copies),
+        3d (q^3, q^2)."""
+        q = self.grid
+        if self.tensor == 1 or self.tensor_mode == "1d":
+            return self.tensor, 1
+        return (q**3, q * q) if self.tensor_mode == "3d" else (q * q, q)
+
     def name(self) -> str:
         """A short label: ``dp2 tp4(2d) pp2(1f1b x8) z1 ckpt`` (only the parts in use)."""
         parts = []

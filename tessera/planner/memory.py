@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from tessera.planner.layout import Layout
 from tessera.planner.results import MemoryEstimate
 from tessera.planner.spec import ModelSpec, Workload
+from tessera.planner.timing import Stage, local_parameters, stages
 
 MIB = 2**20
 #: ZeRO's default gradient bucket (``zero.bucket_mb``)
@@ -44,57 +45,6 @@ class StateBytes:
     optimizer: int  # moments and fp32 masters, on the device
     host: int  # offloaded to host memory
     gathered_layer: int  # ZeRO-3: one layer's full parameters, gathered for its use
-
-
-# ---- how the layout splits the model -----------------------------------------------------------
-
-
-def weight_split(layout: Layout) -> int:
-    """How many ways a weight matrix is split by the tensor mode."""
-    q = layout.grid
-    return {"1d": layout.tensor, "2d": q * q, "2.5d": q * q, "3d": q**3}[layout.tensor_mode]
-
-
-def vector_split(layout: Layout) -> int:
-    """How many ways a bias or norm vector is split (1d keeps most of them whole)."""
-    q = layout.grid
-    return {"1d": 1, "2d": q, "2.5d": q, "3d": q * q}[layout.tensor_mode]
-
-
-def layer_parameters(model: ModelSpec, pipeline_parts: int) -> list[int]:
-    """Full parameter elements of the pipeline's layers: embedding, each block, head. Under a
-    pipeline the tied head keeps its own copy of the embedding's weight (on the last stage)."""
-    head = model.head_params()
-    if model.tie_weights and pipeline_parts > 1 and model.family != "vit":
-        head += model.vocab_size * model.d_model
-    return [model.embedding_params(), *[model.block_params()] * model.n_layers, head]
-
-
-def local_layer_parameters(model: ModelSpec, layout: Layout) -> list[float]:
-    """This rank's elements of each layer under the tensor split."""
-    w, v = weight_split(layout), vector_split(layout)
-    block = model.block_matrix_params() / w + model.block_vector_params() / v
-    head_matrix = model.head_params() - model.norm_params()
-    if model.tie_weights and layout.pipeline * layout.chunks > 1 and model.family != "vit":
-        head_matrix += model.vocab_size * model.d_model
-    head = head_matrix / w + model.norm_params() / v
-    return [model.embedding_params() / w, *[block] * model.n_layers, head]
-
-
-@functools.lru_cache(maxsize=4096)
-def _boundaries(costs: tuple[int, ...], parts: int) -> tuple[int, ...]:
-    from tessera.parallel.pipeline.partition import partition_by_cost
-
-    return tuple(partition_by_cost(list(costs), parts)) if parts > 1 else ()
-
-
-def stage_layers(model: ModelSpec, layout: Layout) -> list[list[int]]:
-    """Layer indices (0: embedding, 1..L: blocks, L+1: head) of each pipeline rank's chunks,
-    cut by parameters as the runtime's default partition does."""
-    parts = layout.pipeline * layout.chunks
-    bounds = (0, *_boundaries(tuple(layer_parameters(model, parts)), parts), model.n_layers + 2)
-    chunks = [list(range(bounds[c], bounds[c + 1])) for c in range(parts)]
-    return [[i for c in range(r, parts, layout.pipeline) for i in chunks[c]] for r in range(layout.pipeline)]
 
 
 # ---- activations -------------------------------------------------------------------------------
@@ -263,7 +213,7 @@ def state_bytes(model: ModelSpec, layout: Layout, workload: Workload, elements: 
     host = 0.0
     if layout.offload:
         host, states = states, 0.0
-    block = model.block_params() / weight_split(layout) * p_bytes
+    block = model.block_params() / layout.splits[0] * p_bytes
     gathered = 2 * block if layout.zero >= 3 else 0.0  # the layer in use and the next, prefetched
     return StateBytes(int(params), int(grads), int(states), int(host), int(gathered))
 
@@ -279,16 +229,17 @@ def predict_memory(model: ModelSpec, layout: Layout, workload: Workload) -> Memo
 
 
 def predict_stage_memory(model: ModelSpec, layout: Layout, workload: Workload) -> list[MemoryEstimate]:
-    """:func:`predict_memory` for each pipeline rank (one entry without a pipeline)."""
-    local = local_layer_parameters(model, layout)
+    """:func:`predict_memory` for each pipeline rank (one entry without a pipeline): the stages
+    and this rank's parameter elements as :mod:`tessera.planner.timing` cuts and counts them."""
+    cut = stages(model, layout.pipeline, layout.chunks)
     flights = in_flight(layout.schedule, layout.pipeline, layout.microbatches, layout.chunks, _waiting_w(model, layout))
-    done: dict[tuple[tuple[int, ...], tuple[float, float]], MemoryEstimate] = {}
+    whole = sum(local_parameters(model, layout, stage) for stage in cut)
+    done: dict[tuple[Stage, tuple[float, float]], MemoryEstimate] = {}
     out = []
-    for rank, layers in enumerate(stage_layers(model, layout)):
-        key = (tuple(layers), flights[rank])  # many ranks of a long pipeline are alike
-        if key not in done:
-            done[key] = _rank_peak(model, layout, workload, layers, sum(local[i] for i in layers), flights[rank])
-        out.append(done[key])
+    for stage, flight in zip(cut, flights):
+        if (stage, flight) not in done:  # many ranks of a long pipeline are alike
+            done[stage, flight] = _rank_peak(model, layout, workload, stage, whole, flight)
+        out.append(done[stage, flight])
     return out
 
 
@@ -296,15 +247,17 @@ def _rank_peak(
     model: ModelSpec,
     layout: Layout,
     workload: Workload,
-    layers: list[int],
-    elements: float,
+    stage: Stage,
+    whole: float,
     flight: tuple[float, float],
 ) -> MemoryEstimate:
+    """The peak of a rank holding ``stage``; ``whole``: the elements of every stage (on this
+    rank's tensor split)."""
     seq = workload.seq_len or model.seq_len
     e = workload.element_bytes
     tokens = layout.micro_batch * seq  # one micro-batch of this data replica
-    blocks = sum(1 for i in layers if 1 <= i <= model.n_layers)
-    has_head = model.n_layers + 1 in layers
+    blocks, has_head = stage.blocks, stage.head
+    elements = local_parameters(model, layout, stage)
     per_block = block_activation_elements(model, layout, seq) * tokens * e
     head = head_activation_elements(model, layout) * tokens * 4 if has_head else 0.0  # logits stay fp32
     one = blocks * per_block + head  # one micro-batch's activations on this rank
@@ -316,7 +269,6 @@ def _rank_peak(
     if layout.pipeline > 1 and layout.zero:
         # tessera packs every parameter the optimizer holds into ZeRO's chunks, other stages'
         # too (docs/planner.md, limits): the whole model's parameters on every stage
-        whole = sum(local_layer_parameters(model, layout))
         states = dataclasses.replace(states, parameters=int(whole * states.parameters / max(elements, 1)))
     start, middle = _transient(model, layout, workload, tokens, has_head)
     fixed = states.parameters + states.optimizer + states.gathered_layer
@@ -350,7 +302,7 @@ def _transient(
     e = workload.element_bytes
     token_split, hidden_split = activation_split(layout)
     mlp = 3.0 * tokens / layout.sequence / token_split * model.ff_dim / hidden_split * e
-    loss = 2.0 * tokens / layout.sequence * model.outputs / weight_split(layout) * 4 if has_head else 0.0
+    loss = 2.0 * tokens / layout.sequence * model.outputs / layout.splits[0] * 4 if has_head else 0.0
     middle = 0.0
     if layout.checkpoint != "none":
         whole = Layout(**{**layout.__dict__, "checkpoint": "none"})
@@ -362,7 +314,7 @@ def _block_gradient_bytes(model: ModelSpec, layout: Layout, workload: Workload) 
     """One block's gradients in full over the data axis (ZeRO-2/3 reduce-scatter them as the
     block's backward ends; two are alive: one reducing, one being made)."""
     p_bytes = 2 if workload.dtype != "fp32" and layout.zero > 0 else 4
-    return model.block_params() / weight_split(layout) * p_bytes
+    return model.block_params() / layout.splits[0] * p_bytes
 
 
 def _step_temporaries(layout: Layout, states: StateBytes) -> float:
@@ -379,4 +331,4 @@ def describe(estimate: MemoryEstimate) -> str:
     return ", ".join(f"{name} {getattr(estimate, name) / MIB:,.1f} MiB" for name in parts)
 
 
-__all__ = ["block_activation_elements", "describe", "in_flight", "predict_memory", "stage_layers"]
+__all__ = ["block_activation_elements", "describe", "in_flight", "predict_memory", "predict_stage_memory"]

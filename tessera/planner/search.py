@@ -243,11 +243,6 @@ def layout_problems(model: ModelSpec, layout: Layout, workload: Workload) -> lis
 SHAPE_FIELDS = ("data", "tensor", "tensor_mode", "depth", "sequence_parallel", "pipeline", "sequence", "sequence_mode")
 
 
-def weight_split(layout: Layout) -> int:
-    """How many ways the tensor mode splits a weight matrix (2.5d keeps depth copies of q^2 blocks)."""
-    return layout.tensor // layout.depth if layout.tensor_mode == "2.5d" else layout.tensor
-
-
 class _Search:
     """One search over a model, cluster and workload; keeps every estimate it makes."""
 
@@ -303,7 +298,7 @@ class _Search:
         """A lower bound of the fullest rank's model-state bytes: its share were the parameters split
         perfectly evenly by tensor and pipeline, in the compute dtype, the fp32 optimizer moments on
         the device unless offloaded, each divided over the data axis as ZeRO's stage shards it."""
-        share = self.params / (weight_split(shape) * shape.pipeline)
+        share = self.params / (shape.splits[0] * shape.pipeline)
         e, d = self.workload.element_bytes, shape.data
         weights = share * e / (d if zero >= 3 else 1)
         grads = share * e / (d if zero >= 2 else 1)

@@ -352,20 +352,11 @@ def stages(model: ModelSpec, pipeline: int, chunks: int = 1) -> tuple[Stage, ...
     return tuple(out)
 
 
-def _splits(layout: Layout) -> tuple[int, int]:
-    """How many ways a weight matrix and a hidden vector are split on the tensor group: 1D (t, 1,
-    the column biases aside), 2D and 2.5D (q^2, q: replicated over 2.5D's depth), 3D (q^3, q^2)."""
-    t, q, mode = layout.tensor, layout.grid, layout.tensor_mode
-    if t == 1 or mode == "1d":
-        return t, 1
-    return (q**3, q * q) if mode == "3d" else (q * q, q)
-
-
 def local_parameters(model: ModelSpec, layout: Layout, stage: Stage) -> float:
     """Parameter elements this rank holds for ``stage`` (before ZeRO shards them): matrices and
-    vectors as the tensor mode splits them (:func:`_splits`), the vocabulary table as a matrix,
+    vectors as the tensor mode splits them (``Layout.splits``), the vocabulary table as a matrix,
     a learned position table as the mode's embedding does, a tied head's table on both end stages."""
-    mat, vec = _splits(layout)
+    mat, vec = layout.splits
     t, h = layout.tensor, model.d_model
     block_vectors = float(model.block_vector_params())
     if layout.tensor_mode == "1d" and model.biases and t > 1:  # the column layers' biases are split
@@ -399,7 +390,7 @@ def _pipeline_traffic(book: _Book, m: ModelSpec, layout: Layout, sh: _Shape, sta
     book.add("send", "pipeline", p, 8 * stage.loss_sends, 0)  # the loss, on the last gradient
     book.add("recv", "pipeline", p, 8 * stage.loss_recvs, 0)
     if m.tie_weights and m.family != "vit":
-        book.add("all_reduce", "pipeline", p, m.vocab_size * m.d_model / _splits(layout)[0] * sh.pe)
+        book.add("all_reduce", "pipeline", p, m.vocab_size * m.d_model / layout.splits[0] * sh.pe)
 
 
 # ---- sequence and data axes ---------------------------------------------------------------------
@@ -436,7 +427,7 @@ def replica_axis(layout: Layout) -> tuple[str, int]:
 
 def zero_chunks(model: ModelSpec, layout: Layout, stage: Stage, element: int) -> int:
     """ZeRO chunks (and DDP buckets) of a stage: one per layer at least, none over the bucket size."""
-    mat, vec = _splits(layout)
+    mat, vec = layout.splits
     block = (model.block_matrix_params() / mat + model.block_vector_params() / vec) * element
     per_block = math.ceil(block / BUCKET_BYTES)
     ends = (2 if model.learned_positions else 1) * stage.embedding + stage.head

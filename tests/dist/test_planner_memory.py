@@ -20,21 +20,9 @@ def saved_per_block(layout_fields: dict, batch: int, seq: int) -> tuple[int, int
     import tessera
     from tessera.models import NextTokenLoss, gpt
     from tessera.nn.recompute import kept_for_backward
-    from tessera.testing import use_layout
+    from tessera.bench.plan import use_planned_layout
 
-    layout = Layout(**layout_fields)
-    cfg = layout.to_config()
-    cfg.pop("data")
-    use_layout(
-        data=layout.data,
-        tensor=layout.tensor,
-        mode=layout.tensor_mode,
-        depth=layout.depth,
-        sequence=layout.sequence,
-        sequence_parallel=layout.sequence_parallel,
-        sequence_mode=layout.sequence_mode,
-        config=cfg,
-    )
+    use_planned_layout(Layout(**layout_fields))
     saved = {}
     for n in (1, 2):
         torch.manual_seed(0)
