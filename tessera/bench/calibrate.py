@@ -30,33 +30,55 @@ def _busy_rate(work: Any, amount: float, seconds: float) -> float:
             return count * amount / elapsed
 
 
-def _block_rate(block: tuple[int, int, int, int], seconds: float) -> float:
-    """Flop/s of a GPT block's forward and backward (tessera's Block, no parallelism): the
-    model's matmuls at its own shapes, with the elementwise work around them."""
+def _block_times(block: tuple[int, int, int, int], seconds: float) -> tuple[float, float, float, float]:
+    """A GPT block's forward and backward (tessera's Block, no parallelism) at its own shapes:
+    ``(flop/s, seconds a pass costs beyond its flops, time with full checkpointing over time
+    without, the same with selective)``. The rate and the fixed cost come from two batch sizes
+    (``block``'s batch and a quarter of it): a pass's dispatch and small-op costs do not shrink
+    with its tokens, which is what makes many small micro-batches slower than few large ones."""
     import torch
 
     from tessera.models.transformer import Block
+    from tessera.nn.recompute import checkpoint_blocks
     from tessera.planner.spec import ModelSpec
 
     d_model, heads, seq, batch = block
-    layer = Block(d_model, heads, 4 * d_model, 0.0, 1e-5, causal=True)
-    x = torch.randn(batch, seq, d_model, requires_grad=True)
     spec = ModelSpec("calibration", "gpt", 1, d_model, heads, 4 * d_model, 1, seq)
+    layer = Block(d_model, heads, 4 * d_model, 0.0, 1e-5, causal=True)
 
-    def step() -> None:
-        layer(x).sum().backward()
+    def seconds_per_pass(module: Any, rows: int) -> float:
+        x = torch.randn(rows, seq, d_model, requires_grad=True)
 
-    return _busy_rate(step, 3 * spec.block_forward_flops(batch * seq, seq), seconds)
+        def step() -> None:
+            module(x).sum().backward()
+
+        return 1.0 / _busy_rate(step, 1.0, seconds / 3)
+
+    small, large = max(1, batch // 4), batch
+    t_small, t_large = seconds_per_pass(layer, small), seconds_per_pass(layer, large)
+    flops = [3 * spec.block_forward_flops(rows * seq, seq) for rows in (small, large)]
+    rate = (flops[1] - flops[0]) / (t_large - t_small) if t_large > t_small else 0.0
+    overhead = t_small - flops[0] / rate if rate > 0 else -1.0
+    if not 0.0 <= overhead < t_small:  # noise: no fixed cost, the large batch's rate
+        rate, overhead = flops[1] / t_large, 0.0
+    costs = []
+    for mode in ("full", "selective"):
+        wrapped = torch.nn.Sequential(Block(d_model, heads, 4 * d_model, 0.0, 1e-5, causal=True))
+        checkpoint_blocks(wrapped, lambda name, module: isinstance(module, Block), mode=mode)
+        costs.append(max(1.0, seconds_per_pass(wrapped, large) / t_large))
+    return rate, overhead, costs[0], costs[1]
 
 
 def _compute_rates(matmul: tuple[int, int, int], block: tuple[int, int, int, int], seconds: float) -> list[float]:
-    """[matmul flop/s, block flop/s, AdamW bytes/s of parameters, copy bytes/s] on this rank."""
+    """[matmul flop/s, block flop/s, AdamW bytes/s of parameters, copy bytes/s, a block pass's
+    fixed seconds, full and selective checkpointing's time factors] on this rank."""
     import torch
 
     m, k, n = matmul
     a, b, out = torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)
     rates = [_busy_rate(lambda: torch.mm(a, b, out=out), 2.0 * m * k * n, seconds / 2)]
-    rates.append(_block_rate(block, seconds))
+    block_rate, overhead, full, selective = _block_times(block, seconds)
+    rates.append(block_rate)
     numel = 2**20
     param = torch.nn.Parameter(torch.randn(numel))
     param.grad = torch.randn(numel)
@@ -64,7 +86,7 @@ def _compute_rates(matmul: tuple[int, int, int], block: tuple[int, int, int, int
     rates.append(_busy_rate(adam.step, 4.0 * numel, seconds / 2))
     src, dst = torch.randn(4 * numel), torch.empty(4 * numel)
     rates.append(_busy_rate(lambda: dst.copy_(src), 16.0 * numel, seconds / 4))
-    return rates
+    return [*rates, overhead, full, selective]
 
 
 def _run_op(op: str, tensor: Any, group: Any) -> None:
@@ -149,11 +171,16 @@ def measure_rank(
     ``matmul`` product each)."""
     import torch
 
+    from tessera import comm
     from tessera.testing import use_layout
 
     torch.set_num_threads(1)
     world = use_layout().group("data")
-    rates = _compute_rates(matmul, block, seconds)
+    # compute rates on one rank per core at most, the others waiting: ranks sharing cores take
+    # turns, each its share of the cores (calibrate scales), rather than all at once (a core
+    # switching between busy ranks loses its caches, which training's waits in collectives spare)
+    rates = _compute_rates(matmul, block, seconds) if world.rank < cpu_cores() else None
+    comm.barrier(world)
     m, k, n = matmul
     a, b, out = torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)
 
@@ -178,7 +205,7 @@ def calibrate(
     groups: Sequence[int] | None = None,
     message_bytes: Sequence[int] = MESSAGE_BYTES,
     matmul: tuple[int, int, int] = (512, 256, 512),
-    block: tuple[int, int, int, int] = (256, 8, 256, 2),
+    block: tuple[int, int, int, int] = (256, 8, 256, 4),
     seconds: float = 0.5,
     repeats: int = 3,
 ) -> Calibration:
@@ -203,9 +230,25 @@ def calibrate(
     links = {
         f"{op}:{size}": fit_link([s for s in samples if (s.op, s.group) == (op, size)]) for op in OPS for size in groups
     }
-    rates = [statistics.fmean(r["rates"][i] for r in per_rank) for i in range(4)]
     took, sharing = time.perf_counter() - start, max(1.0, world_size / cpu_cores())
-    return Calibration(world_size, rates[1], rates[2], rates[3], links, rates[0], tuple(samples), took, sharing)
+    measured = [r["rates"] for r in per_rank if r["rates"] is not None]
+    rates = [statistics.fmean(r[i] for r in measured) for i in range(7)]
+    for i in (0, 1, 2, 3):  # rates: each rank's share of the cores
+        rates[i] /= sharing
+    rates[4] *= sharing  # seconds
+    return Calibration(
+        world_size,
+        rates[1],
+        rates[2],
+        rates[3],
+        links,
+        rates[0],
+        tuple(samples),
+        took,
+        sharing,
+        block_overhead=rates[4],
+        recompute_cost={"full": rates[5], "selective": rates[6]},
+    )
 
 
 def cpu_cores() -> int:

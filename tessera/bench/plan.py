@@ -28,6 +28,7 @@ from tessera.planner.layout import Layout
 
 PRESET = "small"
 SEQ = 256
+TIMED = 5  # steps timed per layout; the median is kept
 
 
 def _l(**kw: Any) -> Layout:
@@ -122,8 +123,11 @@ def measure_body(layout_fields: dict[str, Any], preset: str, seq: int, steps: in
     map_large_allocations()
     vocab = PRESETS[preset].vocab_size
     batches = _batches(layout, vocab, seq, steps + timed, 1 + ctx.group("data").rank)
-    # the same code paths once on a miniature of the model: imports and one-time set-up stay outside
-    tiny = {"n_layers": max(layout.pipeline * layout.chunks - 2, 1), "d_model": 64, "n_heads": 8}
+    # the same code paths once on a miniature of the model: imports and one-time set-up stay
+    # outside. Every stage (and chunk) gets a block of its own: the first block a process runs
+    # forward and backward sets up about 20 MiB it keeps (kernels' scratch, the autograd
+    # engine), which a stage warmed up without one would count in its peak.
+    tiny = {"n_layers": layout.pipeline * layout.chunks, "d_model": 64, "n_heads": 8}
     engine, _ = _build(layout, preset, seq, tiny)
     engine.train_batch(iter(batches[: layout.microbatches]))
     del engine
@@ -187,13 +191,128 @@ def measure(
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tessera bench plan", description=__doc__)
-    parser.add_argument("--preset", default=PRESET)
-    parser.add_argument("--seq", type=int, default=SEQ)
-    parser.add_argument("--out", default="benchmarks/results/plan.json")
-    args = parser.parse_args(argv)
-    rows = measure(LAYOUTS, args.preset, args.seq)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation of ``xs`` and ``ys`` (tied values share their mean rank)."""
+
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2 + 1
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else 0.0
+
+
+def predict(rows: list[dict[str, Any]], preset: str, seq: int, clusters: dict[int, Any] | None) -> dict[str, Any]:
+    """Add the planner's predictions to measured ``rows`` (in place): peak memory and model states,
+    and with ``clusters`` (world size -> calibrated Cluster) the step time. Returns the summary:
+    layouts within 10% of the measured peak, and with clusters the Spearman correlation of
+    predicted and measured seconds per sample and how much slower the predicted best measured
+    than the measured best."""
+    from tessera.planner import Workload, from_gpt_preset
+    from tessera.planner.memory import predict_memory
+    from tessera.planner.timing import predict_time
+
+    model = from_gpt_preset(preset, seq_len=seq)
+    for row in rows:
+        layout = Layout(**row["fields"])
+        workload = Workload(global_batch=layout.global_batch)
+        memory = predict_memory(model, layout, workload)
+        row["predicted_peak"] = memory.peak
+        row["predicted_states"] = memory.model_states
+        row["peak_error"] = memory.peak / row["measured_peak"] - 1
+        row["samples"] = layout.global_batch
+        if clusters:
+            row["predicted_step_s"] = predict_time(model, layout, workload, clusters[layout.world]).step
+    summary: dict[str, Any] = {
+        "layouts": len(rows),
+        "peak_within_10pct": sum(abs(r["peak_error"]) <= 0.10 for r in rows),
+        "max_peak_error": max((abs(r["peak_error"]) for r in rows), default=0.0),
+    }
+    if clusters and len(rows) > 1:
+        measured = [r["measured_step_s"] / r["samples"] for r in rows]
+        predicted = [r["predicted_step_s"] / r["samples"] for r in rows]
+        chosen = min(range(len(rows)), key=predicted.__getitem__)
+        best = min(range(len(rows)), key=measured.__getitem__)
+        summary.update(
+            spearman=spearman(predicted, measured),
+            predicted_best=rows[chosen]["layout"],
+            measured_best=rows[best]["layout"],
+            best_gap=measured[chosen] / measured[best] - 1,
+        )
+    return summary
+
+
+def table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
+    """The markdown table of docs/planner.md: measured against predicted, per layout."""
+    mib = 2**20
+    timed = "predicted_step_s" in (rows[0] if rows else {})
+    head = "| layout | ranks | measured peak (MiB) | predicted (MiB) | error | ledger (MiB) | predicted states (MiB) |"
+    rule = "| --- | --- | --- | --- | --- | --- | --- |"
+    if timed:
+        head += " measured ms/sample | predicted ms/sample |"
+        rule += " --- | --- |"
+    lines = [head, rule]
+    for r in rows:
+        line = (
+            f"| {r['layout']} | {Layout(**r['fields']).world} | {r['measured_peak'] / mib:.1f} | "
+            f"{r['predicted_peak'] / mib:.1f} | {r['peak_error']:+.1%} | {r['measured_ledger'] / mib:.1f} | "
+            f"{r['predicted_states'] / mib:.1f} |"
+        )
+        if timed:
+            line += (
+                f" {1e3 * r['measured_step_s'] / r['samples']:.1f} | {1e3 * r['predicted_step_s'] / r['samples']:.1f} |"
+            )
+        lines.append(line)
+    lines.append("")
+    lines.append(
+        f"{summary['peak_within_10pct']} of {summary['layouts']} peaks within 10% "
+        f"(largest error {summary['max_peak_error']:.1%})"
+    )
+    if "spearman" in summary:
+        lines.append(
+            f"step time per sample: Spearman {summary['spearman']:.2f}; predicted best {summary['predicted_best']} "
+            f"measured {summary['best_gap']:.1%} over the measured best ({summary['measured_best']})"
+        )
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    layouts = LAYOUTS
+    if getattr(args, "only", None):
+        from tessera.errors import ConfigError
+
+        try:
+            layouts = [LAYOUTS[int(i)] for i in args.only.split(",")]
+        except (ValueError, IndexError) as error:
+            raise ConfigError(f"--only {args.only!r}: give indices 0-{len(LAYOUTS) - 1}, comma-separated") from error
+    clusters: dict[int, Any] | None = None
+    calibrations: dict[int, str] = {}
+    if getattr(args, "calibrate", False):  # before the layouts, on a quiet machine
+        from tessera.bench.calibrate import calibrate
+        from tessera.planner.calibrate import calibrated_cluster, describe
+
+        clusters = {}
+        for world in sorted({layout.world for layout in layouts}):
+            calibration = calibrate(world)
+            print(describe(calibration), file=sys.stderr, flush=True)
+            clusters[world] = calibrated_cluster(calibration)
+            calibrations[world] = describe(calibration)
+    rows = measure(layouts, timed=TIMED)
+    summary = predict(rows, PRESET, SEQ, clusters)
+    print(table(rows, summary))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"summary": summary, "calibration": calibrations, "rows": rows}, indent=2) + "\n")
     return 0

@@ -78,6 +78,7 @@ BENCH_TARGETS: dict[str, str] = {  # name -> "module:function"; each strategy ad
     "recompute": "tessera.bench.recompute:main",
     "hf": "tessera.bench.hf:main",
     "serve": "tessera.bench.serve:main",
+    "plan": "tessera.bench.plan:main",
 }
 
 # name -> what it measures, how long it takes on 2 CPU cores, what it needs
@@ -106,6 +107,8 @@ BENCH_HELP: dict[str, str] = {
     "serve": "generation: greedy tokens/s of tessera's engine vs HF generate on the same LLaMA at batch 1 and 16, "
     "and time to first token of the OpenAI server under 8 concurrent streaming clients, 1 process and 1 rank "
     "(about 20 s); needs the hf and serve extras and httpx",
+    "plan": "the planner's predicted peak memory and step time against measurement for 24 layouts of GPT small, "
+    "2, 4 and 8 ranks (about 10 min; --calibrate ranks the step times, about 2 min more)",
 }
 
 
@@ -125,6 +128,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise NotAvailableError(f"no benchmark named {args.target!r}; available: {known}")
     if getattr(args, "tokens", None) is not None and args.target != "tp":
         raise ConfigError(f"--tokens applies to `tessera bench tp` only, not {args.target!r}")
+    for flag in ("calibrate", "only"):
+        if getattr(args, flag, None) and args.target != "plan":
+            raise ConfigError(f"--{flag} applies to `tessera bench plan` only, not {args.target!r}")
     print(f"tessera bench {args.target}: {BENCH_HELP[args.target]}", file=sys.stderr, flush=True)
     module, func = BENCH_TARGETS[args.target].split(":")
     return int(getattr(importlib.import_module(module), func)(args) or 0)
@@ -215,6 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="tp: token counts (batch x sequence) to sweep, comma-separated, e.g. 128,1024,4096,16384: "
         "every mode with keep_blocks off and on, and the token count past which each moves fewer bytes than 1D",
     )
+    bench.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="plan: measure this machine first and rank the predicted step times against the measured ones",
+    )
+    bench.add_argument("--only", default=None, help="plan: comma-separated indices of the layouts to measure")
     bench.set_defaults(func=_cmd_bench)
 
     ckpt.add_parser(sub)

@@ -50,7 +50,9 @@ class Calibration:
     ("OP:SIZE" -> fitted :class:`Link`), ``matmul_flops`` (one bare product, flop/s), the
     ``samples`` the links were fitted on, the ``seconds`` the calibration took, and
     ``ranks_per_core``: ranks over the cores they run on (at least 1), how much faster one rank
-    computes while the others wait."""
+    computes while the others wait; ``block_overhead``: seconds a block's forward and backward
+    cost beyond their flops at ``flops`` (dispatch, small ops: paid once per micro-batch);
+    ``recompute_cost``: a block's time under each checkpointing mode over its time without."""
 
     world_size: int
     flops: float
@@ -61,6 +63,8 @@ class Calibration:
     samples: tuple[Sample, ...] = field(default=(), repr=False)
     seconds: float = 0.0
     ranks_per_core: float = 1.0
+    block_overhead: float = 0.0
+    recompute_cost: dict[str, float] = field(default_factory=dict)
 
     def predict(self, sample: Sample) -> float:
         """Seconds the fitted link of ``sample``'s op and group gives for its calls and bytes."""
@@ -132,6 +136,8 @@ def calibrated_cluster(
         optimizer_rate=calibration.optimizer_rate,
         name=f"this machine, {devices} ranks (calibrated with {calibration.world_size})",
         ranks_per_core=calibration.ranks_per_core,
+        block_overhead=calibration.block_overhead,
+        recompute_cost=dict(calibration.recompute_cost),
     )
 
 
@@ -141,7 +147,8 @@ def describe(calibration: Calibration) -> str:
     lines = [
         f"calibrated with {c.world_size} ranks in {c.seconds:.1f} s, per rank: GPT block {c.flops / 1e9:.2f} GFLOP/s "
         f"(bare matmul {c.matmul_flops / 1e9:.2f}), AdamW {c.optimizer_rate / 1e9:.2f} GB/s, copy {c.copy_rate / 1e9:.2f} GB/s, "
-        f"{c.ranks_per_core:g} ranks per core"
+        f"{c.ranks_per_core:g} ranks per core; a block pass {c.block_overhead * 1e3:.2f} ms beyond its flops, "
+        + ", ".join(f"{mode} checkpointing x{cost:.2f}" for mode, cost in c.recompute_cost.items())
     ]
     for key, link in sorted(calibration.links.items()):
         lines.append(f"  {key:18s} latency {link.latency * 1e6:8.1f} us  bandwidth {link.bandwidth / 1e9:7.3f} GB/s")

@@ -399,6 +399,12 @@ class Cluster:
     optimizer_rate: float | None = None
     #: ranks sharing one core (CPU ranks over fewer cores, measured by calibration); 1: each its own
     ranks_per_core: float = 1.0
+    #: seconds one block's forward and backward cost beyond their flops (dispatch and launches,
+    #: small ops), once per micro-batch; measured by calibration, 0 otherwise
+    block_overhead: float = 0.0
+    #: a block's time under activation checkpointing ("full", "selective") over its time without,
+    #: measured by calibration; a mode left out costs its recomputed flops
+    recompute_cost: dict[str, float] = field(default_factory=dict)
     name: str = "cluster"
 
     def __post_init__(self) -> None:

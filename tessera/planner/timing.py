@@ -505,6 +505,7 @@ class StageWork:
     backward: float
     recompute: float
     attention: float
+    block: float = 0.0  # one block's forward
 
     @property
     def total(self) -> float:
@@ -529,7 +530,8 @@ def stage_work(model: ModelSpec, layout: Layout, workload: Workload, stage: Stag
     forward = stage.blocks * block + head
     extra = {"none": 0.0, "full": block, "selective": attention}[layout.checkpoint]
     recompute = stage.blocks * extra
-    return StageWork(forward, 2 * forward, recompute, stage.blocks * attention * (3 + (layout.checkpoint != "none")))
+    attended = stage.blocks * attention * (3 + (layout.checkpoint != "none"))
+    return StageWork(forward, 2 * forward, recompute, attended, block)
 
 
 # ---- links -------------------------------------------------------------------------------------------
@@ -701,7 +703,8 @@ def _stage_time(plan: _StagePlan, layout: Layout, cluster: Cluster) -> _StageTim
     for (_, axis), sec in secs.items():
         comm[base_axis(axis)] += sec
     work = plan.work
-    compute = m * work.total / rate
+    fwd, bwd = _pass_seconds(plan, layout, cluster)
+    compute = m * (fwd + bwd)
     # overlap needs idle hardware to move the bytes: ranks sharing cores have none (gloo's copies
     # and sums run on the cores that compute), so there communication adds to compute
     overlap = ranks_per_core(cluster) <= 1.0
@@ -712,7 +715,6 @@ def _stage_time(plan: _StagePlan, layout: Layout, cluster: Cluster) -> _StageTim
     replica = replica_axis(layout)[0]
     data_secs = {op: sec for (op, axis), sec in secs.items() if axis == replica}
     data_calls = {t.op: t.calls for t in plan.traffic if t.axis == replica}
-    fwd, bwd = work.forward / rate, (work.backward + work.recompute) / rate
     exposed = critical + (
         _data_exposed(layout, data_secs, data_calls, fwd, bwd) if overlap else sum(data_secs.values())
     )
@@ -720,14 +722,33 @@ def _stage_time(plan: _StagePlan, layout: Layout, cluster: Cluster) -> _StageTim
     return _StageTime(compute, comm, exposed, (compute + critical) / m, work)
 
 
+def _pass_seconds(plan: _StagePlan, layout: Layout, cluster: Cluster) -> tuple[float, float]:
+    """Seconds of one micro-batch's forward and backward (recomputation included) on a rank of
+    the stage: flops over the rate, plus each block's fixed cost (a third in the forward), and
+    checkpointing's recompute as calibration measured it (its flops where it did not)."""
+    work, rate, blocks = plan.work, cluster.flops, plan.stage.blocks
+    fixed = blocks * cluster.block_overhead
+    forward = work.forward / rate + fixed / 3
+    backward = work.backward / rate + 2 * fixed / 3
+    cost = cluster.recompute_cost.get(layout.checkpoint) if layout.checkpoint != "none" else None
+    if cost is None:
+        backward += work.recompute / rate
+    else:
+        backward += blocks * (cost - 1.0) * (3 * work.block / rate + cluster.block_overhead)
+    return forward, backward
+
+
 def _pipeline_exposed(layout: Layout, cluster: Cluster, traffic: tuple[Traffic, ...],
                       secs: dict[tuple[str, str], float]) -> float:  # fmt: skip
     """The tied embedding's all-reduce, and the transfers of the fill and the drain (one
-    activation down the pipeline and one gradient up): steady-state transfers overlap."""
+    activation down the pipeline and one gradient up): steady-state transfers overlap, but for
+    ranks sharing cores, where every transfer takes its time from the compute."""
     p = layout.pipeline
     if p == 1:
         return 0.0
     exposed = secs.get(("all_reduce", "pipeline"), 0.0)
+    if ranks_per_core(cluster) > 1.0:
+        return exposed + sum(sec for (op, axis), sec in secs.items() if axis == "pipeline" and op != "all_reduce")
     for t in traffic:
         if t.op == "send" and t.axis == "pipeline" and t.calls:
             exposed += 2 * (p - 1) * axis_link(cluster, layout, "pipeline", "send", p).time(t.bytes / t.calls)

@@ -29,6 +29,9 @@ def test_every_figure_is_positive(calibration):
     assert set(calibration.links) == {f"{op}:{g}" for op in OPS for g in (2, 4)}
     for link in calibration.links.values():
         assert link.bandwidth > 0 and link.latency >= 0
+    assert calibration.block_overhead >= 0
+    assert set(calibration.recompute_cost) == {"full", "selective"}
+    assert all(cost >= 1.0 for cost in calibration.recompute_cost.values())  # a recompute never saves time
     assert "all_reduce:4" in describe(calibration)
 
 
@@ -62,6 +65,8 @@ def test_the_calibrated_cluster_carries_the_links_to_the_planner(calibration):
     assert (cluster.devices, cluster.devices_per_node, cluster.device_memory) == (4, 4, 2**30)
     assert cluster.flops == calibration.flops and cluster.optimizer_rate == calibration.optimizer_rate
     assert ranks_per_core(cluster) == calibration.ranks_per_core == max(1.0, 4 / cpu_cores())
+    assert cluster.block_overhead == calibration.block_overhead
+    assert cluster.recompute_cost == calibration.recompute_cost
     assert axis_link(cluster, Layout(data=4), "data", "all_reduce", 4) == calibration.links["all_reduce:4"]
     assert axis_link(cluster, Layout(tensor=2, data=2), "tensor", "all_reduce", 2) == calibration.links["all_reduce:2"]
     model = from_gpt_preset("tiny")
