@@ -314,5 +314,7 @@ def main(args: argparse.Namespace) -> int:
     print(table(rows, summary))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"summary": summary, "calibration": calibrations, "rows": rows}, indent=2) + "\n")
+        Path(args.out).write_text(
+            json.dumps({"summary": summary, "calibration": calibrations, "rows": rows}, indent=2) + "\n"
+        )
     return 0
