@@ -258,7 +258,7 @@ def _rank_peak(
     tokens = layout.micro_batch * seq  # one micro-batch of this data replica
     blocks, has_head = stage.blocks, stage.head
     elements = local_parameters(model, layout, stage)
-    per_block = block_activation_elements(model, layout, seq) * tokens * e
+    per_block = block_activation_elements(model, layout, seq) * tokens * e * _traced_scale(model, seq)
     head = head_activation_elements(model, layout) * tokens * 4 if has_head else 0.0  # logits stay fp32
     one = blocks * per_block + head  # one micro-batch's activations on this rank
     if layout.pipeline > 1:  # the stage's input received (and its gradient) and its output kept for the backward
@@ -293,6 +293,15 @@ def _rank_peak(
     )
 
 
+def _traced_scale(model: ModelSpec, seq: int) -> float:
+    """A traced model's measured activation bytes per token of a block over the formula's for the
+    unsplit block (:func:`tessera.planner.traced.from_module`); 1 for a described one."""
+    traced = model.traced_block_bytes_per_token
+    if not traced:
+        return 1.0
+    return traced / (block_activation_elements(model, Layout(), seq) * 4)
+
+
 def _transient(
     model: ModelSpec, layout: Layout, workload: Workload, tokens: int, has_head: bool
 ) -> tuple[float, float]:
@@ -306,7 +315,8 @@ def _transient(
     middle = 0.0
     if layout.checkpoint != "none":
         whole = Layout(**{**layout.__dict__, "checkpoint": "none"})
-        middle = mlp + block_activation_elements(model, whole) * tokens * e
+        scale = _traced_scale(model, workload.seq_len or model.seq_len)
+        middle = mlp + block_activation_elements(model, whole) * tokens * e * scale
     return mlp + loss, middle
 
 

@@ -4,7 +4,8 @@
 A :class:`ModelSpec` describes a transformer by its sizes only, so that a 70B model is planned
 without building it: from tessera's GPT and ViT presets (:func:`from_gpt_preset`,
 :func:`from_vit_preset`), from a Hugging Face ``config.json`` (:func:`from_hf_config`), or
-measured from a module (:func:`from_module`: parameters counted, activations traced).
+measured from a module (:func:`tessera.planner.traced.from_module`: sizes read off its parameters,
+activations traced).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class ModelSpec:
     max_positions: int | None = None
     num_classes: int = 0  # ViT: the head's outputs (vocab_size is 0)
     patch_dim: int = 0  # ViT: channels x patch x patch, the patch embedding's input
-    #: saved-activation bytes per token of one block measured by :func:`from_module` (fp32,
+    #: saved-activation bytes per token of one block measured by ``traced.from_module`` (fp32,
     #: one rank); None: the formula of :mod:`tessera.planner.memory`
     traced_block_bytes_per_token: float | None = None
 
