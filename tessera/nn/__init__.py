@@ -27,6 +27,7 @@ from tessera.nn.layers import (
     split_activation,
     split_region_rng,
 )
+from tessera.nn.moe import MoE, auxiliary_loss
 from tessera.nn.recompute import checkpoint_blocks, mark_block
 from tessera.nn.sequence import Attention, attention, positions
 from tessera.parallel.tensor import plain
@@ -41,11 +42,13 @@ __all__ = [
     "Embedding",
     "LayerNorm",
     "Linear",
+    "MoE",
     "PatchEmbedding",
     "VocabParallelClassifier",
     "VocabParallelCrossEntropyLoss",
     "VocabParallelEmbedding",
     "attention",
+    "auxiliary_loss",
     "batch_parts",
     "checkpoint_blocks",
     "enter_sequence_parallel",
