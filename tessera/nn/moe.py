@@ -15,6 +15,16 @@ buffer (slots: the capacity, or the fullest expert's count without one) and ever
 runs as a batched matrix product over it, with no Python loop over experts or tokens. Experts
 are GELU MLPs or SwiGLU ones (LLaMA/Mixtral).
 
+Expert parallelism (``group``: the ranks the experts are spread over, each holding
+``num_experts / size`` of them, consecutive): every rank routes its own tokens and packs its
+``[experts, slots, d_model]`` buffer as above; an all-to-all through :mod:`tessera.comm` sends
+each expert's slots to the rank holding it (``[local experts, size x slots, d_model]`` there),
+the local experts compute, and the inverse all-to-all brings the outputs back (the backward
+runs both in reverse). Capacity counts each rank's own tokens, as if the single-process layer
+ran on each rank's batch; without a capacity, the slots are the fullest expert's count over the
+group (a max all-reduce). The router is replicated; gradients of the local experts come from
+every rank's tokens.
+
 Auxiliary losses of the last forward (``MoE.aux_loss``; :func:`auxiliary_loss` sums them over a
 model): the load-balancing loss ``num_experts * sum_e f_e * P_e`` (``f_e``: the fraction of the
 assignments routed to expert e before capacity, ``P_e``: its mean routing probability; 1 when
@@ -31,6 +41,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tessera import comm
 
 Activation = Literal["gelu", "swiglu"]
 
@@ -92,17 +104,22 @@ class MoE(nn.Module):
         normalize: bool | None = None,
         aux_loss_weight: float = 1e-2,
         z_loss_weight: float = 1e-3,
+        group: comm.Group | None = None,
     ) -> None:
         super().__init__()
         if num_experts < 1 or not 1 <= top_k <= num_experts:
             raise ValueError(f"MoE: top_k={top_k} must be between 1 and num_experts={num_experts}")
+        self.group = comm.resolve(group) if group is not None else None
+        ranks = self.group.size if self.group is not None else 1
+        if num_experts % ranks:
+            raise ValueError(f"MoE: num_experts={num_experts} does not split over {ranks} expert-parallel ranks")
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(f"MoE: capacity_factor={capacity_factor} must be positive (None: no drops)")
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.normalize = top_k > 1 if normalize is None else normalize
         self.aux_loss_weight, self.z_loss_weight = aux_loss_weight, z_loss_weight
         self.router = nn.Linear(d_model, num_experts, bias=False)
-        self.experts = GroupedExperts(num_experts, d_model, ff_dim, activation)
+        self.experts = GroupedExperts(num_experts // ranks, d_model, ff_dim, activation)
         self.aux_loss: torch.Tensor | None = None
         self.stats: RoutingStats | None = None
 
@@ -134,11 +151,11 @@ class MoE(nn.Module):
         position = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1) - 1  # place in its expert's queue
         routed = one_hot.sum(dim=0)
         capacity = self.capacity(count)
-        slots = capacity if capacity is not None else int(routed.max())
+        slots = capacity if capacity is not None else self._fullest(routed)
         kept = position < slots
         slot = (chosen * slots + position)[kept]
         buffer = tokens.new_zeros(e * slots, shape[-1]).index_copy(0, slot, tokens[token[kept]])
-        out = self.experts(buffer.view(e, slots, shape[-1])).view(e * slots, shape[-1])
+        out = self._compute(buffer.view(e, slots, shape[-1])).reshape(e * slots, shape[-1])
         combined = out[slot] * weight[kept].unsqueeze(-1).to(out.dtype)
         y = tokens.new_zeros(count, shape[-1]).index_add(0, token[kept], combined)
         probs = logits.softmax(dim=-1)
@@ -149,6 +166,21 @@ class MoE(nn.Module):
         self.stats = RoutingStats(per_expert.detach(), int((~kept).sum()), capacity, load_balance.detach(),
                                   z_loss.detach())  # fmt: skip
         return y.view(shape)
+
+    def _fullest(self, routed: torch.Tensor) -> int:
+        """The most assignments any expert got here, or on any rank of the expert group."""
+        most = routed.max().reshape(1)
+        if self.group is not None and self.group.size > 1:
+            most = comm.all_reduce(most.clone(), self.group, op="max")
+        return max(1, int(most))
+
+    def _compute(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The experts' outputs for ``buffer`` [experts, slots, d]: here, or on the ranks that hold
+        them (all-to-all there and back)."""
+        if self.group is None or self.group.size == 1:
+            return self.experts(buffer)
+        here = comm.all_to_all_forward_all_to_all_backward(buffer, self.group, 0, 1)  # [local, size*slots, d]
+        return comm.all_to_all_forward_all_to_all_backward(self.experts(here), self.group, 1, 0)
 
 
 def auxiliary_loss(model: nn.Module) -> torch.Tensor | None:
