@@ -69,24 +69,34 @@ def _block_times(block: tuple[int, int, int, int], seconds: float) -> tuple[floa
     return rate, overhead, costs[0], costs[1]
 
 
-def _compute_rates(matmul: tuple[int, int, int], block: tuple[int, int, int, int], seconds: float) -> list[float]:
-    """[matmul flop/s, block flop/s, AdamW bytes/s of parameters, copy bytes/s, a block pass's
-    fixed seconds, full and selective checkpointing's time factors] on this rank."""
+#: figures a rank measures that are rates (each rank's share of the cores when ranks share them)
+_RATES = ("matmul_flops", "flops", "optimizer_rate", "copy_rate")
+
+
+def _compute_rates(matmul: tuple[int, int, int], block: tuple[int, int, int, int], seconds: float) -> dict[str, float]:
+    """This rank's figures, named as :class:`Calibration`'s fields: the rates of a bare matmul
+    (flop/s), a GPT block (flop/s), AdamW (bytes/s of parameters) and a copy (bytes/s); a block
+    pass's fixed seconds; full and selective checkpointing's time factors."""
     import torch
 
     m, k, n = matmul
     a, b, out = torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)
-    rates = [_busy_rate(lambda: torch.mm(a, b, out=out), 2.0 * m * k * n, seconds / 2)]
+    matmul_rate = _busy_rate(lambda: torch.mm(a, b, out=out), 2.0 * m * k * n, seconds / 2)
     block_rate, overhead, full, selective = _block_times(block, seconds)
-    rates.append(block_rate)
     numel = 2**20
     param = torch.nn.Parameter(torch.randn(numel))
     param.grad = torch.randn(numel)
     adam = torch.optim.AdamW([param], lr=1e-3)
-    rates.append(_busy_rate(adam.step, 4.0 * numel, seconds / 2))
     src, dst = torch.randn(4 * numel), torch.empty(4 * numel)
-    rates.append(_busy_rate(lambda: dst.copy_(src), 16.0 * numel, seconds / 4))
-    return [*rates, overhead, full, selective]
+    return {
+        "matmul_flops": matmul_rate,
+        "flops": block_rate,
+        "optimizer_rate": _busy_rate(adam.step, 4.0 * numel, seconds / 2),
+        "copy_rate": _busy_rate(lambda: dst.copy_(src), 16.0 * numel, seconds / 4),
+        "block_overhead": overhead,
+        "full": full,
+        "selective": selective,
+    }
 
 
 def _run_op(op: str, tensor: Any, group: Any) -> None:
@@ -232,22 +242,19 @@ def calibrate(
     }
     took, sharing = time.perf_counter() - start, max(1.0, world_size / cpu_cores())
     measured = [r["rates"] for r in per_rank if r["rates"] is not None]
-    rates = [statistics.fmean(r[i] for r in measured) for i in range(7)]
-    for i in (0, 1, 2, 3):  # rates: each rank's share of the cores
-        rates[i] /= sharing
-    rates[4] *= sharing  # seconds
+    figures = {key: statistics.fmean(r[key] for r in measured) for key in measured[0]}
+    for key in _RATES:  # each rank's share of the cores
+        figures[key] /= sharing
+    figures["block_overhead"] *= sharing  # seconds
+    recompute = {mode: figures.pop(mode) for mode in ("full", "selective")}
     return Calibration(
         world_size,
-        rates[1],
-        rates[2],
-        rates[3],
-        links,
-        rates[0],
-        tuple(samples),
-        took,
-        sharing,
-        block_overhead=rates[4],
-        recompute_cost={"full": rates[5], "selective": rates[6]},
+        links=links,
+        samples=tuple(samples),
+        seconds=took,
+        ranks_per_core=sharing,
+        recompute_cost=recompute,
+        **figures,
     )
 
 

@@ -160,14 +160,20 @@ def pipeline_layer_count(preset: str = "tiny", overrides: dict[str, Any] | None 
     return int(n_layers) + 2
 
 
+def preset_config(preset: str, **overrides: Any) -> GPTConfig:
+    """The config of a preset with fields replaced by ``overrides``; unknown presets and unknown
+    fields raise ConfigError (a ValueError) naming them."""
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown GPT preset {preset!r}; presets: {', '.join(PRESETS)}")
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ConfigError(f"unknown GPTConfig field(s) {', '.join(unknown)}; fields: {', '.join(sorted(fields))}")
+    return dataclasses.replace(PRESETS[preset], **overrides)
+
+
 def gpt(preset: str = "tiny", **overrides: Any) -> GPT:
     """Build a GPT from a preset name, replacing config fields with ``overrides``.
 
     ``gpt("tiny", n_layers=2)``; unknown presets and unknown fields raise ValueError naming them."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown GPT preset {preset!r}; presets: {', '.join(PRESETS)}")
-    fields = {f.name for f in dataclasses.fields(GPTConfig)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise ValueError(f"unknown GPTConfig field(s) {', '.join(unknown)}; fields: {', '.join(sorted(fields))}")
-    return GPT(dataclasses.replace(PRESETS[preset], **overrides))
+    return GPT(preset_config(preset, **overrides))

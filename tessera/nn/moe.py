@@ -129,20 +129,21 @@ class MoE(nn.Module):
             return None
         return max(1, math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts))
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(logits [T, E] fp32, weights [T, k], experts [T, k])`` of the tokens ``x`` [T, d]."""
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(logits [T, E] fp32, probabilities [T, E], weights [T, k], experts [T, k])`` of the
+        tokens ``x`` [T, d]."""
         logits = self.router(x).float()
         probs = logits.softmax(dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return logits, weights, experts
+        return logits, probs, weights, experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         count, e, k = tokens.shape[0], self.num_experts, self.top_k
-        logits, weights, experts = self.route(tokens)
+        logits, probs, weights, experts = self.route(tokens)
         # assignments in serving order: every token's first choice, then every second choice
         chosen = experts.t().reshape(-1)
         token = torch.arange(count, device=x.device).repeat(k)
@@ -158,7 +159,6 @@ class MoE(nn.Module):
         out = self._compute(buffer.view(e, slots, shape[-1])).reshape(e * slots, shape[-1])
         combined = out[slot] * weight[kept].unsqueeze(-1).to(out.dtype)
         y = tokens.new_zeros(count, shape[-1]).index_add(0, token[kept], combined)
-        probs = logits.softmax(dim=-1)
         load_balance = e * (routed.float() / (count * k) * probs.mean(dim=0)).sum()
         z_loss = torch.logsumexp(logits, dim=-1).square().mean()
         self.aux_loss = self.aux_loss_weight * load_balance + self.z_loss_weight * z_loss

@@ -11,6 +11,7 @@ measured (``tessera plan --calibrate`` measures it on the machine at hand).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -73,15 +74,6 @@ HARDWARE: dict[str, Hardware] = {
         devices_per_node=8,
         source="NVIDIA A100 and DGX A100 datasheets; NCCL bus bandwidths",
     ),
-    "a100-40gb": Hardware(
-        "A100 40GB (DGX A100: NVLink 3 + 8x HDR InfiniBand)",
-        memory=40 * GIB,
-        peak={"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
-        intra=Link(bandwidth=230e9, latency=10e-6),
-        inter=Link(bandwidth=24e9, latency=20e-6),
-        devices_per_node=8,
-        source="NVIDIA A100 and DGX A100 datasheets; NCCL bus bandwidths",
-    ),
     # H100 SXM datasheet: 989 TFLOP/s bf16 dense; NVLink 4, 900 GB/s per GPU (~360 GB/s NCCL bus
     # bandwidth); one NDR InfiniBand NIC (400 Gb/s) per GPU, ~48 GB/s.
     "h100-80gb": Hardware(
@@ -106,6 +98,9 @@ HARDWARE: dict[str, Hardware] = {
         reserve=0,
     ),
 }
+HARDWARE["a100-40gb"] = dataclasses.replace(
+    HARDWARE["a100-80gb"], name="A100 40GB (DGX A100: NVLink 3 + 8x HDR InfiniBand)", memory=40 * GIB
+)
 
 
 @dataclass(frozen=True)

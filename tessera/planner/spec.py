@@ -150,15 +150,9 @@ class ModelSpec:
 
 def from_gpt_preset(preset: str, seq_len: int | None = None, **overrides: Any) -> ModelSpec:
     """tessera's reference GPT (``tessera.models.gpt``'s presets, with field overrides)."""
-    from tessera.models.gpt import PRESETS, GPTConfig
+    from tessera.models.gpt import preset_config
 
-    if preset not in PRESETS:
-        raise ConfigError(f"unknown GPT preset {preset!r}; presets: {', '.join(PRESETS)}")
-    names = {f.name for f in dataclasses.fields(GPTConfig)}
-    unknown = sorted(set(overrides) - names)
-    if unknown:
-        raise ConfigError(f"unknown GPTConfig field(s) {', '.join(unknown)}")
-    cfg = dataclasses.replace(PRESETS[preset], **overrides)
+    cfg = preset_config(preset, **overrides)
     return ModelSpec(
         name=f"gpt:{preset}",
         family="gpt",
