@@ -363,6 +363,7 @@ def parallel_dims(config: Config, world_size: int) -> ParallelDims:
         sequence_parallel=p.tensor.sequence_parallel,
         keep_blocks=p.tensor.keep_blocks,
         sequence_mode=p.sequence.mode,
+        expert=p.expert.size,
     )
 
 

@@ -102,11 +102,27 @@ class SequenceConfig:
 
 
 @dataclass(frozen=True)
+class ExpertConfig:
+    size: int = _field(
+        1,
+        "Ranks of the data axis that spread the experts of MoE layers (the expert axis; it divides the data-parallel "
+        "degree): each holds num_experts / size experts, tokens exchanged by all-to-all (docs/moe.md).",
+    )
+
+    def validate(self, path: str) -> None:
+        if self.size < 1:
+            raise ConfigError(f"{path}size={self.size} must be at least 1")
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     data: int | None = _field(None, "Data-parallel degree; default: whatever the other axes leave of the world.")
     pipeline: PipelineConfig = _section(PipelineConfig, "Pipeline parallelism (an int is taken as `size`).")
     tensor: TensorConfig = _section(TensorConfig, "Tensor parallelism (an int is taken as `size`).")
     sequence: SequenceConfig = _section(SequenceConfig, "Sequence parallelism (an int is taken as `size`).")
+    expert: ExpertConfig = _section(
+        ExpertConfig, "Expert parallelism, a split of the data axis (an int is taken as `size`)."
+    )
     auto: bool = _field(
         False,
         'Let the planner choose the layout at launch (`parallel = "auto"` is short for `dict(auto=True)`): the '
@@ -117,7 +133,13 @@ class ParallelConfig:
 
     def validate(self, path: str) -> None:
         if self.auto:
-            given = {"data": self.data, "pipeline": self.pipeline, "tensor": self.tensor, "sequence": self.sequence}
+            given = {
+                "data": self.data,
+                "pipeline": self.pipeline,
+                "tensor": self.tensor,
+                "sequence": self.sequence,
+                "expert": self.expert,
+            }
             chosen = [key for key, value in given.items() if value != getattr(ParallelConfig(), key)]
             if chosen:
                 raise ConfigError(
@@ -126,6 +148,16 @@ class ParallelConfig:
                 )
         if self.data is not None and self.data < 1:
             raise ConfigError(f"{path}data={self.data} must be at least 1")
+        if self.expert.size > 1 and self.tensor.size > 1 and self.tensor.mode != "1d":
+            raise ConfigError(
+                f"expert parallelism composes with 1d tensor parallelism (inside each expert), not "
+                f"{self.tensor.mode!r}: use {path}tensor.mode='1d' or {path}expert.size=1"
+            )
+        if self.expert.size > 1 and self.tensor.sequence_parallel:
+            raise ConfigError(
+                f"{path}expert.size={self.expert.size} with {path}tensor.sequence_parallel=True: MoE layers route "
+                "whole tokens on every tensor rank; turn sequence_parallel off"
+            )
         if self.sequence.size > 1 and self.tensor.size > 1 and self.tensor.mode != "1d":
             raise ConfigError(
                 f"sequence parallelism composes with 1d tensor parallelism, not {self.tensor.mode!r}: "
@@ -504,6 +536,12 @@ class Config:
                     f"gemini with parallel.sequence.size={self.parallel.sequence.size}: Gemini with sequence "
                     "parallelism is not supported yet; use ZeRO (zero.stage) with it, or sequence.size=1"
                 )
+        if self.parallel.expert.size > 1 and (self.zero.stage > 0 or self.gemini.active):
+            what = "gemini" if self.gemini.active else f"zero.stage={self.zero.stage}"
+            raise ConfigError(
+                f"{what} with parallel.expert.size={self.parallel.expert.size}: sharding expert weights over the "
+                "data ranks that replicate them is not available yet; use zero.stage=0 with expert parallelism"
+            )
         if self.zero.stage >= 2 and self.parallel.pipeline.size > 1:
             raise ConfigError(
                 f"zero.stage={self.zero.stage} with parallel.pipeline.size={self.parallel.pipeline.size}: stages 2 "

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from tessera.context.dims import (
     BASE_AXES,
+    EXPERT_AXES,
     TENSOR_MODES,
     ParallelDims,
     check_tensor_layout,
@@ -45,6 +46,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "BASE_AXES",
+    "EXPERT_AXES",
     "TENSOR_MODES",
     "ParallelContext",
     "ParallelDims",

@@ -11,6 +11,7 @@ from tessera.context.dims import AxisSpec, ParallelDims, group_table
 from tessera.context.rng import RNGStreams
 
 REPLICA_AXES = ("data", "sequence")
+EXPERT_REPLICA_AXES = ("expert_data", "sequence")
 
 
 def _axis_name(axis: AxisSpec) -> str:
@@ -50,6 +51,8 @@ class ParallelContext:
             self._groups[axis] = self._build(axis)
         if dims.sequence > 1:  # the replicas of every parameter: data x sequence
             self._groups[REPLICA_AXES] = self._build(REPLICA_AXES)
+            if dims.expert > 1:  # and of an expert's
+                self._groups[EXPERT_REPLICA_AXES] = self._build(EXPERT_REPLICA_AXES)
         self.rng = RNGStreams(seed, dims, rank, self.device)
 
     # ---- groups ---------------------------------------------------------------------------
@@ -112,6 +115,16 @@ class ParallelContext:
         ranks run the same model on other tokens of the same batch)."""
         return self._groups[REPLICA_AXES] if self.dims.sequence > 1 else self._groups["data"]
 
+    @property
+    def expert_replicas(self) -> AxisGroup:
+        """The ranks that hold the same experts of an MoE layer (split over the ``expert`` axis)
+        and average their gradients (ZeRO shards them over these): the replicas without the
+        expert axis, i.e. ``expert_data`` (times ``sequence`` when the sequence is split). The
+        same group as :attr:`replicas` when experts are not spread."""
+        if self.dims.expert == 1:
+            return self.replicas
+        return self._groups[EXPERT_REPLICA_AXES] if self.dims.sequence > 1 else self._groups["expert_data"]
+
     def size(self, axis: AxisSpec) -> int:
         return self.group(axis).size
 
@@ -134,7 +147,8 @@ class ParallelContext:
         return self.dims.axes
 
     def __repr__(self) -> str:
-        sizes = ", ".join(f"{a}={self.size(a)}" for a in self.axes if self.size(a) > 1) or "single rank"
+        shown = [a for a in self.axes if self.size(a) > 1 and (self.dims.expert > 1 or a not in ("expert", "expert_data"))]
+        sizes = ", ".join(f"{a}={self.size(a)}" for a in shown) or "single rank"
         return f"ParallelContext(rank={self.rank}/{self.world_size}, {sizes}, mode={self.dims.tensor_mode})"
 
 

@@ -5,6 +5,12 @@ tensor axis innermost, then sequence, then pipeline, and data outermost::
 
     rank = ((data * P + pipeline) * S + sequence) * T + tensor
 
+The data axis splits into two sub-axes when experts are spread (``expert > 1``): with ``d`` the
+rank's data index, ``d = e_data * E + e`` where ``expert`` varies ``e`` (the ranks that share one
+set of tokens' experts, exchanging tokens by all-to-all) and ``expert_data`` varies ``e_data``
+(the ranks holding the same experts, which average their gradients). Both axes always exist:
+with ``expert == 1``, ``expert`` is every rank alone and ``expert_data`` is ``data``.
+
 The tensor axis is further split into the sub-axes of its mode. With ``t`` the rank's index
 inside its tensor group:
 
@@ -27,6 +33,7 @@ from dataclasses import dataclass
 from tessera.errors import ConfigError
 
 BASE_AXES: tuple[str, ...] = ("data", "pipeline", "sequence", "tensor")
+EXPERT_AXES: tuple[str, ...] = ("expert", "expert_data")  # sub-axes of data (module docstring)
 TENSOR_MODES: tuple[str, ...] = ("1d", "2d", "2.5d", "3d")
 SEQUENCE_MODES: tuple[str, ...] = ("ring_qk", "ring", "all_to_all")
 
@@ -44,6 +51,13 @@ _SUBAXIS_VARIES: dict[str, dict[str, tuple[str, ...]]] = {
     "2d": {"2d_row": ("2d_j",), "2d_col": ("2d_i",)},
     "2.5d": {"2.5d_row": ("2.5d_j",), "2.5d_col": ("2.5d_i",), "2.5d_dep": ("2.5d_k",)},
     "3d": {"3d_input": ("3d_n",), "3d_weight": ("3d_w",), "3d_output": ("3d_o",)},
+}
+
+# Atomic coordinates of the data axis and its sub-axes when experts are spread (expert > 1).
+_DATA_COORDS: dict[str, tuple[str, ...]] = {
+    "data": ("expert_data", "expert"),
+    "expert": ("expert",),
+    "expert_data": ("expert_data",),
 }
 
 AxisSpec = str | Sequence[str]
@@ -122,6 +136,7 @@ class ParallelDims:
     sequence_parallel: bool = False  # 1D only: activations outside Col -> Row regions split along the sequence
     keep_blocks: bool = False  # 2D, 2.5D, 3D: keep the blocks a Linear's forward received for its backward
     sequence_mode: str = "ring"  # ring_qk (ring self-attention), ring (online softmax), all_to_all (Ulysses)
+    expert: int = 1  # ranks of the data axis that spread the experts of an MoE layer (divides data)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -131,6 +146,8 @@ class ParallelDims:
             if value < 1:
                 raise ConfigError(f"parallel.{name} size {value} must be at least 1")
         check_tensor_layout(self.tensor, self.tensor_mode, self.tensor_depth, self.sequence_parallel, self.keep_blocks)
+        if self.expert < 1:
+            raise ConfigError(f"parallel.expert size {self.expert} must be at least 1")
         if self.sequence_mode not in SEQUENCE_MODES:
             raise ConfigError(
                 f"parallel.sequence.mode={self.sequence_mode!r} is not one of {', '.join(SEQUENCE_MODES)}"
@@ -149,6 +166,11 @@ class ParallelDims:
             raise ConfigError(
                 f"the layout does not fit the world: data={self.data} x {sizes} = "
                 f"{self.data * model}, but the world size is {self.world_size}"
+            )
+        if self.data_size % self.expert:
+            raise ConfigError(
+                f"parallel.expert.size={self.expert} must divide the data-parallel degree {self.data_size}: "
+                "experts are spread over data ranks (each group of `expert` data ranks holds every expert once)"
             )
 
     # ---- derived facts -------------------------------------------------------------------
@@ -171,16 +193,18 @@ class ParallelDims:
 
     @property
     def axes(self) -> tuple[str, ...]:
-        """Every named axis of this layout: the base axes plus the tensor mode's sub-axes."""
-        return BASE_AXES + tuple(_SUBAXIS_VARIES[self.tensor_mode])
+        """Every named axis of this layout: the base axes, the data axis's expert sub-axes and the
+        tensor mode's sub-axes."""
+        return BASE_AXES + EXPERT_AXES + tuple(_SUBAXIS_VARIES[self.tensor_mode])
 
     def coordinate_sizes(self) -> list[tuple[str, int]]:
         """Atomic coordinates of a rank, outermost first, with their sizes."""
-        coords: list[tuple[str, int]] = [
-            ("data", self.data_size),
-            ("pipeline", self.pipeline),
-            ("sequence", self.sequence),
-        ]
+        coords: list[tuple[str, int]] = (
+            [("expert_data", self.data_size // self.expert), ("expert", self.expert)]
+            if self.expert > 1
+            else [("data", self.data_size)]
+        )
+        coords += [("pipeline", self.pipeline), ("sequence", self.sequence)]
         q = self.tensor_q
         if self.tensor_mode == "1d":
             coords.append(("tensor", self.tensor))
@@ -212,7 +236,9 @@ class ParallelDims:
                 part = tuple(c for c, _ in self.coordinate_sizes())
             elif name == "tensor":
                 part = _TENSOR_COORDS[self.tensor_mode]
-            elif name in ("data", "pipeline", "sequence"):
+            elif name in ("data", "expert", "expert_data"):
+                part = _DATA_COORDS[name] if self.expert > 1 else (() if name == "expert" else ("data",))
+            elif name in ("pipeline", "sequence"):
                 part = (name,)
             elif name in _SUBAXIS_VARIES[self.tensor_mode]:
                 part = _SUBAXIS_VARIES[self.tensor_mode][name]

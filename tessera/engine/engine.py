@@ -31,6 +31,7 @@ from tessera.context import ParallelContext
 from tessera.engine.batches import loss_items, loss_shifts_labels, output_loss
 from tessera.engine.options import LossScaleOptions, TrainingOptions
 from tessera.errors import TesseraError
+from tessera.nn.moe import moe_layers, set_aux_grad_scale
 from tessera.optim.clip import clip_coefficient
 from tessera.parallel.batches import rows_of
 from tessera.parallel.sequence.tokens import sequence_length_of, take_tokens
@@ -118,6 +119,8 @@ class Engine:
         self.init_peak_rss: int | None = None  # peak RSS of the init phase (set by initialize)
         #: the run's config, when ``tessera.initialize`` built the engine (checkpoints record it)
         self.run_config: Any = None
+        #: the model's MoE layers: their auxiliary losses enter each backward scaled as the loss is
+        self._moe = [layer for _, layer in moe_layers(strategy.module)]
         self._sequence = ctx.group("sequence") if ctx.size("sequence") > 1 else None
         self._length: int | None = None  # the whole sequence length of the last batch split
         #: ``fn(batch) -> int64 tensor``: the items the loss of a dict batch averages over (what
@@ -218,8 +221,12 @@ class Engine:
                 f"in {self.precision}: lower the learning rate, clip gradients, or check the data"
             )
         scaled = loss.float() / self.accumulation
+        factor = 1.0 / self.accumulation
         if self.scaler is not None:
             scaled = scaled * self.scaler.scale
+            factor *= float(self.scaler.scale)
+        if self._moe:
+            set_aux_grad_scale(self._moe, factor)  # the MoE layers' auxiliary losses, weighed as the loss
         scaled.backward()
 
     def step(self) -> bool:
@@ -359,6 +366,8 @@ class Engine:
                 )
             scheduled = [self.local_tokens(_split_batch(_to_device(b, self.ctx.device))) for b in batches]
             loss_fn = self._loss
+        if self._moe:  # the schedule divides each micro-batch's loss by their number
+            set_aux_grad_scale(self._moe, 1.0 / len(scheduled))
         with autocast(self.precision, self.ctx.device), self._own_tokens_rng():
             loss = self.strategy.run_schedule(scheduled, loss_fn)
         if not math.isfinite(loss):

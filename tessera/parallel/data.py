@@ -15,6 +15,7 @@ from tessera import comm
 from tessera.comm import AxisGroup
 from tessera.context import ParallelContext
 from tessera.memory.deferred import allocate_module
+from tessera.parallel.experts import expert_parameter_names, is_expert, reduce_expert_gradients
 from tessera.parallel.loaders import ResumableLoader, ResumableSampler, distributed_loader
 from tessera.parallel.strategy import Strategy
 
@@ -34,9 +35,15 @@ def wrap_data_parallel(model: nn.Module, group: AxisGroup, device: torch.device,
     DDP keeps its bucketing and overlap of reduction with the backward pass; only the bucket
     all-reduce is routed through ``tessera.comm``. Its one-off broadcast of the initial weights
     and (with ``broadcast_buffers``) of buffers go through DDP itself and are not in the ledger.
+    Expert parameters (split over the ``expert`` axis) are left out: their holders reduce them
+    apart (``tessera.parallel.experts``), and DDP's initial broadcast would overwrite them with
+    another rank's experts.
     """
     if group.size == 1:
         return model
+    experts = expert_parameter_names(model)
+    if experts:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts)
     device_ids = [device.index] if device.type == "cuda" else None
     ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=group.pg, **ddp_options)
     ddp.register_comm_hook(group, _bucket_all_reduce_hook)
@@ -53,7 +60,8 @@ def _release_process_group(ddp: DistributedDataParallel) -> None:
 
 class DataParallel(Strategy):
     """Plain data parallelism: the model wrapped in DDP over the data axis, which averages the
-    gradients during the step's last backward pass; the user's optimizer steps replicas alike."""
+    gradients during the step's last backward pass (expert parameters after it, over the ranks
+    holding the same experts); the user's optimizer steps replicas alike."""
 
     name = "ddp"
 
@@ -69,6 +77,9 @@ class DataParallel(Strategy):
             self.model.require_backward_grad_sync = final  # no reduction on non-final micro-steps
         return self.model(*args, **kwargs)
 
+    def reduce_gradients(self) -> None:
+        reduce_expert_gradients(self.module.parameters(), self.ctx)
+
 
 class AverageAtStep(Strategy):
     """Replicated optimizer whose gradients are averaged over the data axis in one flat
@@ -83,8 +94,9 @@ class AverageAtStep(Strategy):
         self.ctx = ctx
 
     def reduce_gradients(self) -> None:
+        reduce_expert_gradients(self.module.parameters(), self.ctx)
         group = self.ctx.replicas
-        params = [p for p in self.module.parameters() if p.grad is not None]
+        params = [p for p in self.module.parameters() if p.grad is not None and not is_expert(p)]
         if group.size == 1 or not params:
             return
         flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]

@@ -28,6 +28,7 @@ def use_layout(
     sequence_parallel: bool | None = None,
     keep_blocks: bool | None = None,
     sequence_mode: str | None = None,
+    expert: int = 1,
     seed: int = 42,
     config: Any = None,
     device: str | torch.device = "cpu",
@@ -51,7 +52,7 @@ def use_layout(
     if sequence_mode is None:
         sequence_mode = cfg.parallel.sequence.mode if cfg is not None else "ring"
     dims = ParallelDims(
-        world, data, pipeline, sequence, tensor, mode, depth, sequence_parallel, keep_blocks, sequence_mode
+        world, data, pipeline, sequence, tensor, mode, depth, sequence_parallel, keep_blocks, sequence_mode, expert
     )
     # the same process groups whatever the layers' options
     groups_key = dataclasses.replace(dims, sequence_parallel=False, keep_blocks=False, sequence_mode="ring")

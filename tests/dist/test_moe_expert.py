@@ -12,49 +12,60 @@ import torch
 D, FF, E, T = 8, 16, 8, 32
 
 
-def ep_body(top_k: int, capacity_factor: float | None, activation: str) -> dict:
+def ep_body(top_k: int, capacity_factor: float | None, activation: str, expert: int, tensor: int) -> dict:
     from tessera import comm
+    from tessera.context import set_context
     from tessera.nn.moe import MoE
     from tessera.testing import use_layout
 
-    ctx = use_layout(data=torch.distributed.get_world_size())
-    group = ctx.group("data")
-    rank, n = group.rank, group.size
+    world = torch.distributed.get_world_size()
+    ctx = use_layout(data=world // tensor, tensor=tensor, expert=expert)
+    d, n = ctx.local_rank("data"), ctx.size("data")
+    e, t = ctx.local_rank("expert"), ctx.local_rank("tensor")
     torch.manual_seed(0)
+    set_context(None)  # the single-process layer
     full = MoE(D, FF, E, top_k=top_k, capacity_factor=capacity_factor, activation=activation)
+    set_context(ctx)
     torch.manual_seed(1)
     xs, probes = torch.randn(n, T, D), torch.randn(n, T, D)
-    ep = MoE(D, FF, E, top_k=top_k, capacity_factor=capacity_factor, activation=activation, group=group)
-    local = slice(rank * E // n, (rank + 1) * E // n)
-    names = [name for name, p in full.experts.named_parameters()]
-    with torch.no_grad():
-        ep.router.weight.copy_(full.router.weight)
-        for name in names:
-            getattr(ep.experts, name).copy_(getattr(full.experts, name)[local])
-    x = xs[rank].clone().requires_grad_(True)
+    torch.manual_seed(0)  # the same draws: the layer keeps its blocks of the single-process weights
+    ep = MoE(D, FF, E, top_k=top_k, capacity_factor=capacity_factor, activation=activation)
+    experts = slice(e * E // expert, (e + 1) * E // expert)
+    width = slice(t * FF // tensor, (t + 1) * FF // tensor)
+    blocks = {"w_in": (experts, slice(None), width), "w_gate": (experts, slice(None), width),
+              "w_out": (experts, width, slice(None))}  # fmt: skip
+    names = [name for name, _ in full.experts.named_parameters()]
+    torch.testing.assert_close(ep.router.weight, full.router.weight, rtol=0, atol=0)
+    for name in names:
+        torch.testing.assert_close(getattr(ep.experts, name), getattr(full.experts, name)[blocks[name]], rtol=0, atol=0)
+    x = xs[d].clone().requires_grad_(True)
     with comm.ledger() as forward:
         y = ep(x)
     with comm.ledger() as backward:
-        ((y * probes[rank]).sum() + ep.aux_loss).backward()
+        (y * probes[d]).sum().backward()  # the auxiliary losses join through y
 
+    # the single-process layer on the batch of every data rank of this rank's expert group
+    group = [d - e + i for i in range(expert)]
     expert_grads = {name: torch.zeros_like(getattr(full.experts, name)) for name in names}
-    for s in range(n):  # the single-process layer on each rank's batch
+    for s in group:
         xr = xs[s].clone().requires_grad_(True)
         yr = full(xr)
         params = [full.router.weight, *(getattr(full.experts, name) for name in names)]
-        grads = torch.autograd.grad((yr * probes[s]).sum() + full.aux_loss, [xr, *params])
+        grads = torch.autograd.grad((yr * probes[s]).sum(), [xr, *params])
         for name, g in zip(names, grads[2:]):
             expert_grads[name] += g
-        if s == rank:
+        if s == d:
             mine = (yr.detach(), grads[0], grads[1], full.stats, full.aux_loss.detach())
     y_ref, x_grad, router_grad, stats, aux = mine
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ep.aux_loss.detach(), aux, rtol=1e-5, atol=1e-7)
     assert ep.stats.dropped == stats.dropped and ep.stats.capacity == stats.capacity
+    assert ep.stats.tokens_per_expert.tolist() == stats.tokens_per_expert.tolist()  # the same ones kept
     torch.testing.assert_close(x.grad, x_grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ep.router.weight.grad, router_grad, rtol=1e-5, atol=1e-6)
     for name in names:
-        torch.testing.assert_close(getattr(ep.experts, name).grad, expert_grads[name][local], rtol=1e-5, atol=1e-6)
+        want = expert_grads[name][blocks[name]]
+        torch.testing.assert_close(getattr(ep.experts, name).grad, want, rtol=1e-5, atol=1e-6)
     slots = ep.stats.capacity
     return {"forward": forward.summary(), "backward": backward.summary(), "slots": slots, "dropped": stats.dropped}
 
@@ -62,10 +73,17 @@ def ep_body(top_k: int, capacity_factor: float | None, activation: str) -> dict:
 CASES = [(1, None, "gelu"), (2, None, "swiglu"), (1, 0.5, "swiglu"), (2, 1.0, "gelu")]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+# (ranks, expert, tensor): experts over 2 and 4 ranks, over half the data ranks (ep2 x dp2), and
+# with each expert's width split over 1D tensor ranks (ep2 x tp2)
+LAYOUTS = [(2, 2, 1), (4, 4, 1), (4, 2, 1), (4, 2, 2)]
+
+
+@pytest.mark.parametrize(("world", "expert", "tensor"), LAYOUTS, ids=lambda v: str(v))
 @pytest.mark.parametrize(("top_k", "capacity_factor", "activation"), CASES)
-def test_expert_parallel_moe_matches_the_single_process_layer(pools, world, top_k, capacity_factor, activation):
-    results = pools.run(world, ep_body, top_k, capacity_factor, activation)
+def test_expert_parallel_moe_matches_the_single_process_layer(
+    pools, world, expert, tensor, top_k, capacity_factor, activation
+):
+    results = pools.run(world, ep_body, top_k, capacity_factor, activation, expert, tensor)
     if capacity_factor == 0.5:
         assert all(r["dropped"] > 0 for r in results)  # the drops were exercised, and matched
     for r in results:
@@ -73,9 +91,12 @@ def test_expert_parallel_moe_matches_the_single_process_layer(pools, world, top_
         if r["slots"] is not None:
             # two exchanges of the [experts, capacity, d] buffer each way: (n-1)/n of it leaves a rank
             buffer = E * r["slots"] * D * 4
-            assert forward[("all_to_all", "data")] == {"calls": 2, "bytes": 2 * buffer * (world - 1) / world,
-                                                       "payload_bytes": 2 * buffer}  # fmt: skip
-            assert backward[("all_to_all", "data")] == forward[("all_to_all", "data")]
+            assert forward[("all_to_all", "expert")] == {"calls": 2, "bytes": 2 * buffer * (expert - 1) / expert,
+                                                         "payload_bytes": 2 * buffer}  # fmt: skip
+            assert backward[("all_to_all", "expert")] == forward[("all_to_all", "expert")]
         else:  # the slots agreed by a max all-reduce first
-            assert forward[("all_reduce", "data")]["calls"] == 1
-            assert forward[("all_to_all", "data")]["calls"] == 2
+            assert forward[("all_reduce", "expert")]["calls"] == 1
+            assert forward[("all_to_all", "expert")]["calls"] == 2
+        if tensor > 1:  # the experts' outputs summed over the tensor ranks; their inputs' gradients too
+            assert forward[("all_reduce", "tensor")]["calls"] == 1
+            assert backward[("all_reduce", "tensor")]["calls"] == 1

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from tessera.context import ParallelDims, group_table, group_tables
+from tessera.context import BASE_AXES, EXPERT_AXES, ParallelDims, group_table, group_tables
 from tessera.errors import ConfigError
 
 TENSOR_LAYOUTS = [
@@ -23,6 +23,8 @@ def layouts(max_world: int = 32):
             world = dp * pp * sp * tp
             if world <= max_world:
                 yield ParallelDims(world, dp, pp, sp, tp, mode, depth)
+                if dp > 1 and mode == "1d":  # experts spread over part or all of the data axis
+                    yield ParallelDims(world, dp, pp, sp, tp, mode, depth, expert=2)
 
 
 ALL = list(layouts())
@@ -40,6 +42,7 @@ def test_enough_layouts_are_covered():
     ALL,
     ids=lambda d: (
         f"w{d.world_size}-dp{d.data}-pp{d.pipeline}-sp{d.sequence}-{d.tensor_mode}{d.tensor}d{d.tensor_depth}"
+        + (f"-ep{d.expert}" if d.expert > 1 else "")
     ),
 )
 def test_group_tables(dims: ParallelDims):
@@ -52,17 +55,24 @@ def test_group_tables(dims: ParallelDims):
         assert all(len(g) == dims.axis_size(axis) for g in groups), axis
         assert all(list(g) == sorted(g) for g in groups)
     # groups of two independent axes through one rank meet only in that rank
-    independent = [a for a in dims.axes if a != "tensor"]
+    independent = [a for a in BASE_AXES if a != "tensor"]
     for a, b in itertools.combinations(independent, 2):
         for rank in range(dims.world_size):
             ga = next(g for g in tables[a] if rank in g)
             gb = next(g for g in tables[b] if rank in g)
             assert set(ga) & set(gb) == {rank}, (a, b, rank)
-    # tensor sub-axes live inside the tensor group
-    for sub in dims.axes[4:]:
+    # tensor sub-axes live inside the tensor group, expert ones inside the data group
+    for sub in dims.axes[len(BASE_AXES) :]:
+        parent = "data" if sub in EXPERT_AXES else "tensor"
         for g in tables[sub]:
-            tensor_group = next(t for t in tables["tensor"] if g[0] in t)
-            assert set(g) <= set(tensor_group)
+            assert set(g) <= set(next(t for t in tables[parent] if g[0] in t))
+    # the two expert sub-axes split the data group: their groups through a rank meet only there
+    # and their sizes multiply to the data degree
+    assert dims.axis_size("expert") * dims.axis_size("expert_data") == dims.data
+    for rank in range(dims.world_size):
+        ge = next(g for g in tables["expert"] if rank in g)
+        gd = next(g for g in tables["expert_data"] if rank in g)
+        assert set(ge) & set(gd) == {rank}
     check_rank_order(dims, tables)
     check_grid(dims, tables)
 
@@ -100,6 +110,20 @@ def check_grid(dims, tables):
             assert {frozenset(cube[w][n][o] for o in r) for w in r for n in r} <= lines("3d_output")
             assert {frozenset(cube[w][n][o] for n in r) for w in r for o in r} <= lines("3d_input")
             assert {frozenset(cube[w][n][o] for w in r) for n in r for o in r} <= lines("3d_weight")
+
+
+def test_expert_axes_split_data():
+    """Experts spread over the innermost part of the data index: expert groups are consecutive
+    data ranks, expert_data groups stride over them."""
+    dims = ParallelDims(8, data=4, tensor=2, expert=2)
+    assert group_table(dims, "data") == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    assert group_table(dims, "expert") == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert group_table(dims, "expert_data") == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    single = ParallelDims(4, data=4)
+    assert group_table(single, "expert") == [(0,), (1,), (2,), (3,)]
+    assert group_table(single, "expert_data") == group_table(single, "data")
+    with pytest.raises(ConfigError, match="must divide the data-parallel degree 4"):
+        ParallelDims(8, data=4, tensor=2, expert=3)
 
 
 def test_sub_axis_sizes():

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tessera.nn.moe import MoE, auxiliary_loss
+from tessera.nn.moe import MoE, auxiliary_loss, take_routing_counts
 
 D, FF, E, T = 8, 16, 4, 24
 
@@ -68,12 +68,14 @@ def test_moe_matches_the_per_token_reference(top_k, capacity_factor, activation)
     if capacity_factor == 0.5:
         assert dropped, "a capacity of half the mean load drops assignments"
     assert int(moe.stats.tokens_per_expert.sum()) == T * top_k - len(dropped)
-    # gradients of the output and the auxiliary losses, against the reference's
+    # gradients of the output and the auxiliary losses (which enter through the output's
+    # backward, weighed by aux_grad_scale), against the reference's
     probe = torch.randn(T, D)
     params = [p for p in moe.parameters()]
-    loss = (y.reshape(T, D) * probe).sum() + moe.aux_loss
+    moe.aux_grad_scale = 0.5
+    loss = (y.reshape(T, D) * probe).sum()
     grads = torch.autograd.grad(loss, [x, *params], allow_unused=True)
-    loss_ref = (y_ref * probe).sum() + moe.aux_loss_weight * balance + moe.z_loss_weight * z
+    loss_ref = (y_ref * probe).sum() + 0.5 * (moe.aux_loss_weight * balance + moe.z_loss_weight * z)
     grads_ref = torch.autograd.grad(loss_ref, [x_ref, *params], allow_unused=True)
     torch.testing.assert_close(grads[0].reshape(T, D), grads_ref[0], rtol=1e-5, atol=1e-6)
     for got, want in zip(grads[1:], grads_ref[1:]):
@@ -116,3 +118,32 @@ def test_bad_settings_are_refused():
         MoE(D, FF, E, capacity_factor=0.0)
     with pytest.raises(ValueError, match="activation"):
         MoE(D, FF, E, activation="relu")  # type: ignore[arg-type]
+
+
+def test_routing_counts_add_up_over_forwards_but_not_over_recomputes():
+    """take_routing_counts sums the kept assignments of every forward since the last call; a
+    block recomputed by activation checkpointing in the backward is not counted twice, and its
+    gradients are those of the plain forward (auxiliary losses included)."""
+    torch.manual_seed(0)
+    moe = MoE(D, FF, E, top_k=2, capacity_factor=1.0)
+    model = torch.nn.Sequential(moe)
+    xs = [torch.randn(T, D) for _ in range(2)]
+    expected = torch.zeros(E, dtype=torch.long)
+    dropped = 0
+    plain = []
+    for x in xs:
+        moe(x).square().sum().backward()
+        expected += moe.stats.tokens_per_expert
+        dropped += moe.stats.dropped
+        plain.append([p.grad.clone() for p in moe.parameters()])
+        moe.zero_grad()
+    take_routing_counts(model)
+    for x, grads in zip(xs, plain):
+        y = torch.utils.checkpoint.checkpoint(moe, x, use_reentrant=False)
+        y.square().sum().backward()
+        for p, g in zip(moe.parameters(), grads):
+            torch.testing.assert_close(p.grad, g)
+        moe.zero_grad()
+    counts = take_routing_counts(model)
+    assert counts["0"][0].tolist() == expected.tolist() and counts["0"][1] == dropped
+    assert take_routing_counts(model)["0"][0].tolist() == [0] * E
