@@ -147,7 +147,9 @@ class ParallelContext:
         return self.dims.axes
 
     def __repr__(self) -> str:
-        shown = [a for a in self.axes if self.size(a) > 1 and (self.dims.expert > 1 or a not in ("expert", "expert_data"))]
+        shown = [
+            a for a in self.axes if self.size(a) > 1 and (self.dims.expert > 1 or a not in ("expert", "expert_data"))
+        ]
         sizes = ", ".join(f"{a}={self.size(a)}" for a in shown) or "single rank"
         return f"ParallelContext(rank={self.rank}/{self.world_size}, {sizes}, mode={self.dims.tensor_mode})"
 

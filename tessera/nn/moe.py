@@ -133,7 +133,9 @@ class GroupedExperts(nn.Module):
             self.w_in = shard_parameter(self.w_in, column, ctx)
             if self.w_gate is not None:
                 self.w_gate = shard_parameter(self.w_gate, column, ctx)
-            self.w_out = shard_parameter(self.w_out, ShardSpec((num_experts, ff_dim, d_model), (e_axis, t_axis, ())), ctx)
+            self.w_out = shard_parameter(
+                self.w_out, ShardSpec((num_experts, ff_dim, d_model), (e_axis, t_axis, ())), ctx
+            )
 
     def weights(self) -> list[nn.Parameter]:
         return [w for w in (self.w_in, self.w_gate, self.w_out) if w is not None]
