@@ -380,7 +380,10 @@ class ModelConfig:
         "(config.json and safetensors weights: fine-tuned) or a config.json alone (random weights); "
         "`tessera train --model hf:PATH` (docs/hf.md).",
     )
-    preset: str = _field("tiny", "gpt: size preset: tiny, small, gpt2, gpt2-medium, gpt2-large, gpt2-xl.")
+    preset: str = _field(
+        "tiny",
+        "gpt: size preset: tiny, small, gpt2, gpt2-medium, gpt2-large, gpt2-xl; tiny-moe, small-moe (docs/moe.md).",
+    )
     options: dict[str, Any] = _field_factory(
         dict,
         "Overrides of the preset's fields, e.g. dict(dropout=0.1); for hf:, of the model's config.json fields, "

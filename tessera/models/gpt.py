@@ -3,13 +3,15 @@
 Pre-norm transformer blocks (LayerNorm -> causal self-attention -> residual, LayerNorm -> MLP ->
 residual), learned position embeddings, GPT-2 initialisation and an output head tied to the
 token embedding. The ``gpt2*`` presets match the published GPT-2 sizes parameter for parameter.
+With ``num_experts`` the blocks' MLPs are mixtures of experts (``tessera.nn.MoE``; the ``*-moe``
+presets: Mixtral-style top-2 of 8 SwiGLU experts), spread over the ``expert`` axis.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -38,6 +40,18 @@ class GPTConfig:
     )
     tie_weights: bool = _field(True, "Share one matrix between the token embedding and the output head.")
     layer_norm_eps: float = _field(1e-5, "Epsilon of every LayerNorm.")
+    num_experts: int = _field(
+        0,
+        "0: a dense MLP in every block; N > 0: mixture-of-experts MLPs of N experts, each `ff_dim` wide (docs/moe.md).",
+    )
+    moe_top_k: int = _field(2, "MoE: experts each token is routed to (1: Switch, 2: Mixtral).")
+    moe_capacity_factor: float | None = _field(
+        1.25, "MoE: slots per expert as a multiple of an even share of the assignments; None: no token dropped."
+    )
+    moe_activation: Literal["gelu", "swiglu"] = _field("swiglu", "MoE: the experts' MLP (swiglu: Mixtral's).")
+    moe_every: int = _field(1, "MoE: every k-th block has the MoE MLP (blocks k-1, 2k-1, ...); the others dense.")
+    moe_aux_loss_weight: float = _field(1e-2, "MoE: weight of the load-balancing loss.")
+    moe_z_loss_weight: float = _field(1e-3, "MoE: weight of the router z-loss.")
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads"):
@@ -53,6 +67,18 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.attention_dropout={self.attention_dropout} must be in [0, 1)")
         if self.layer_norm_eps <= 0:
             raise ValueError(f"GPTConfig.layer_norm_eps={self.layer_norm_eps} must be positive")
+        if self.num_experts < 0 or self.moe_every < 1:
+            raise ValueError(
+                f"GPTConfig.num_experts={self.num_experts} must be >= 0 and moe_every={self.moe_every} >= 1"
+            )
+        if self.num_experts and not 1 <= self.moe_top_k <= self.num_experts:
+            raise ValueError(
+                f"GPTConfig.moe_top_k={self.moe_top_k} must be between 1 and num_experts={self.num_experts}"
+            )
+
+    def is_moe_block(self, index: int) -> bool:
+        """Whether block ``index`` has the mixture-of-experts MLP."""
+        return self.num_experts > 0 and (index + 1) % self.moe_every == 0
 
     @property
     def ff_dim(self) -> int:
@@ -70,6 +96,11 @@ PRESETS: dict[str, GPTConfig] = {
     # Byte-level sizes that train in seconds on a laptop CPU.
     "tiny": GPTConfig(vocab_size=256, max_seq_len=128, d_model=128, n_layers=4, n_heads=4),
     "small": GPTConfig(vocab_size=256, max_seq_len=256, d_model=256, n_layers=6, n_heads=8),
+    # Mixtral-style blocks: 8 SwiGLU experts, each token routed to 2 (active MLP: 2 x 3 x d x ff).
+    "tiny-moe": GPTConfig(vocab_size=256, max_seq_len=128, d_model=128, n_layers=4, n_heads=4, d_ff=256, num_experts=8),
+    "small-moe": GPTConfig(
+        vocab_size=256, max_seq_len=256, d_model=256, n_layers=6, n_heads=8, d_ff=512, num_experts=8
+    ),
     # The GPT-2 family (Radford et al. 2019): 124M, 355M, 774M and 1.5B parameters.
     "gpt2": GPTConfig(vocab_size=50257, max_seq_len=1024, d_model=768, n_layers=12, n_heads=12),
     "gpt2-medium": GPTConfig(vocab_size=50257, max_seq_len=1024, d_model=1024, n_layers=24, n_heads=16),
@@ -102,14 +133,28 @@ class GPT(nn.Module):
                 config.layer_norm_eps,
                 causal=True,
                 attention_dropout=config.attention_dropout,
+                mlp=self._moe(config) if config.is_moe_block(i) else None,
             )
-            for _ in range(config.n_layers)
+            for i in range(config.n_layers)
         )
         self.ln_f = tnn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         tied = self.tok_emb.weight if config.tie_weights else None
         assert tied is None or isinstance(tied, nn.Parameter)
         self.lm_head = tnn.VocabParallelClassifier(config.d_model, config.vocab_size, bias=False, weight=tied)
         self.reset_parameters()
+
+    @staticmethod
+    def _moe(config: GPTConfig) -> nn.Module:
+        return tnn.MoE(
+            config.d_model,
+            config.ff_dim,
+            config.num_experts,
+            top_k=config.moe_top_k,
+            capacity_factor=config.moe_capacity_factor,
+            activation=config.moe_activation,
+            aux_loss_weight=config.moe_aux_loss_weight,
+            z_loss_weight=config.moe_z_loss_weight,
+        )
 
     def reset_parameters(self) -> None:
         """GPT-2 initialisation, drawn in full and sharded, so every layout starts alike."""

@@ -65,7 +65,8 @@ class MLP(nn.Module):
 
 @tnn.mark_block  # what activation checkpointing recomputes
 class Block(nn.Module):
-    """``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``."""
+    """``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))`` (``mlp``: another MLP, such as an MoE,
+    in place of the dense one)."""
 
     def __init__(
         self,
@@ -76,12 +77,13 @@ class Block(nn.Module):
         eps: float,
         causal: bool,
         attention_dropout: float | None = None,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.ln_1 = tnn.LayerNorm(d_model, eps=eps)
         self.attn = SelfAttention(d_model, n_heads, dropout, causal, attention_dropout)
         self.ln_2 = tnn.LayerNorm(d_model, eps=eps)
-        self.mlp = MLP(d_model, ff_dim, dropout)
+        self.mlp = mlp if mlp is not None else MLP(d_model, ff_dim, dropout)
 
     def forward(self, x: torch.Tensor, attend: Attend | None = None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), attend)
@@ -129,15 +131,16 @@ def reset_in_full(module: nn.Module, rule: Callable[[str, tuple[int, ...]], torc
 
 def gpt2_init(name: str, n_layers: int) -> float | str:
     """How GPT-2 initialises the parameter ``name``: ``"ones"`` (LayerNorm scales), ``"zeros"``
-    (biases), or the standard deviation of its normal draw (0.02; residual projections scaled
-    by 1/sqrt(2 n_layers))."""
+    (biases), or the standard deviation of its normal draw (0.02; residual projections, the
+    experts' output weights among them, scaled by 1/sqrt(2 n_layers))."""
     leaf = name.rsplit(".", 1)[-1]
     owner = name.rsplit(".", 2)[-2] if name.count(".") else ""
     if owner.startswith("ln") or owner == "norm":
         return "ones" if leaf == "weight" else "zeros"
     if leaf == "bias":
         return "zeros"
-    return 0.02 / math.sqrt(2 * n_layers) if name.endswith(("attn.out.weight", "mlp.proj.weight")) else 0.02
+    residual = ("attn.out.weight", "mlp.proj.weight", "mlp.experts.w_out")
+    return 0.02 / math.sqrt(2 * n_layers) if name.endswith(residual) else 0.02
 
 
 def gpt2_rule(n_layers: int) -> Callable[[str, tuple[int, ...]], torch.Tensor]:
