@@ -4,7 +4,8 @@ standard library's sources or the user's text files (``data.name = "text_files"`
 
 Every rank runs :func:`main` (``tessera train`` starts them through torchrun). Rank 0 writes the
 run folder: ``config.json`` (the resolved config), ``metrics.jsonl`` (one line per step),
-``loss.png`` (the loss curve) and the final weights: ``model.safetensors`` for the reference
+``loss.png`` (the loss curve), ``experts.png`` for a mixture-of-experts model (each layer's
+expert load over the steps; the counts are in ``metrics.jsonl``) and the final weights: ``model.safetensors`` for the reference
 model, an ``hf/`` folder that ``transformers`` loads for a Hugging Face one.
 """
 
@@ -36,6 +37,7 @@ from tessera.engine import (
     LRSchedulerHook,
     MemoryHook,
     ProgressBarHook,
+    RoutingHook,
     ThroughputHook,
     Trainer,
 )
@@ -245,6 +247,7 @@ def run(cfg: Config, run_dir: Path) -> list[dict[str, Any]]:
         LRSchedulerHook(scheduler),
         ThroughputHook(tokens_per_sample=seq_len),
         MemoryHook(every=cfg.trainer.log_every),
+        RoutingHook(plot=run_dir / "experts.png" if ctx.rank == 0 else None),
         EvalHook(eval_loader, every=cfg.trainer.eval_every, max_batches=cfg.trainer.eval_batches),
         recipe.final_weights(run_dir),
         LogHook(every=cfg.trainer.log_every, jsonl=run_dir / "metrics.jsonl"),

@@ -9,6 +9,7 @@ from tessera.engine.hooks import (
     LRSchedulerHook,
     MemoryHook,
     ProgressBarHook,
+    RoutingHook,
     ThroughputHook,
 )
 from tessera.engine.initialize import initialize
@@ -23,6 +24,7 @@ __all__ = [
     "LogHook",
     "MemoryHook",
     "ProgressBarHook",
+    "RoutingHook",
     "ThroughputHook",
     "Trainer",
     "initialize",

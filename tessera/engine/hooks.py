@@ -1,4 +1,5 @@
-"""Trainer hooks: LR scheduling, throughput, memory, evaluation, checkpoints, logging, progress.
+"""Trainer hooks: LR scheduling, throughput, memory, expert routing, evaluation, checkpoints,
+logging, progress.
 
 Hooks run in order of ``priority`` (lower first) at each event, so the logging hooks, which
 run last, see the numbers the others added to ``trainer.metrics``.
@@ -15,8 +16,11 @@ from typing import TYPE_CHECKING, Any, Literal, TextIO
 
 import torch
 
+from tessera import comm
 from tessera.checkpoint import full_state_dict, save_weights
+from tessera.files import atomic_path
 from tessera.memory import model_state_bytes, peak_rss_bytes
+from tessera.nn.moe import moe_layers, take_routing_counts
 
 if TYPE_CHECKING:
     from tessera.engine.trainer import Trainer
@@ -103,6 +107,83 @@ class MemoryHook(Hook):
             peak_rss_bytes=peak_rss_bytes(),
             init_peak_rss_bytes=getattr(trainer.engine, "init_peak_rss", None),
         )
+
+
+class RoutingHook(Hook):
+    """The load of a mixture-of-experts model's experts: after each step, per MoE layer, the
+    assignments each expert computed in the step (``moe_tokens_per_expert``: layer name -> counts,
+    over the whole global batch), the assignments dropped over capacity (``moe_dropped``, all
+    layers) and the busiest expert's load over the mean (``moe_imbalance``, the largest over the
+    layers; 1 when balanced). With ``plot``, rank 0 draws each layer's expert shares over the steps
+    into that PNG at the end. Collective (a sum over the world); nothing for a model without MoE."""
+
+    priority = 35  # before evaluation's forwards, which route tokens too
+
+    def __init__(self, plot: str | Path | None = None) -> None:
+        self.plot = Path(plot) if plot is not None else None
+        self._layers: list[tuple[str, Any]] = []
+
+    def before_fit(self, trainer: Trainer) -> None:
+        self._layers = moe_layers(trainer.engine.module)
+
+    def before_step(self, trainer: Trainer) -> None:
+        take_routing_counts(self._layers)  # what ran between steps (evaluation) does not count
+
+    def after_step(self, trainer: Trainer) -> None:
+        engine = trainer.engine
+        counts = take_routing_counts(self._layers)
+        if not counts:
+            return
+        names = list(counts)
+        table = torch.stack([c.to(torch.float64).cpu() for c, _ in counts.values()])
+        dropped = torch.tensor([float(sum(n for _, n in counts.values()))], dtype=torch.float64)
+        both = torch.cat([table.reshape(-1), dropped]).to(engine.ctx.device)
+        comm.all_reduce(both, engine.ctx.group("world"))  # other data ranks' tokens, other stages' layers
+        both = (both / engine.ctx.size("tensor")).round().cpu()  # tensor ranks route the same tokens
+        table = both[:-1].reshape(table.shape)
+        mean = table.mean(dim=1).clamp(min=1e-12)
+        trainer.metrics["moe_tokens_per_expert"] = {n: [int(v) for v in row] for n, row in zip(names, table)}
+        trainer.metrics["moe_dropped"] = int(both[-1])
+        trainer.metrics["moe_imbalance"] = float((table.max(dim=1).values / mean).max())
+
+    def after_fit(self, trainer: Trainer) -> None:
+        if self.plot is not None and _is_rank0(trainer) and self._layers:
+            plot_expert_load(trainer.history, self.plot)
+
+
+def plot_expert_load(history: list[dict[str, Any]], path: Path) -> None:
+    """Each MoE layer's share of the assignments per expert over the steps (stacked), from the
+    ``moe_tokens_per_expert`` the :class:`RoutingHook` recorded, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [(m["step"], m["moe_tokens_per_expert"]) for m in history if "moe_tokens_per_expert" in m]
+    if not rows:
+        return
+    layers = list(rows[0][1])
+    cols = min(len(layers), 4)
+    lines = -(-len(layers) // cols)
+    fig, axes = plt.subplots(lines, cols, figsize=(3.2 * cols, 2.6 * lines), dpi=110, squeeze=False)
+    steps = [step for step, _ in rows]
+    for ax, layer in zip(axes.flat, layers):
+        counts = torch.tensor([per_layer[layer] for _, per_layer in rows], dtype=torch.float64)
+        shares = counts / counts.sum(dim=1, keepdim=True).clamp(min=1)
+        ax.stackplot(steps, shares.t().numpy(), labels=[f"expert {e}" for e in range(shares.shape[1])])
+        ax.axhline(0.5, color="white", linewidth=0.5)
+        ax.set_ylim(0, 1)
+        ax.set_title(layer, fontsize=8)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(layers) :]:
+        ax.axis("off")
+    axes.flat[0].set_ylabel("share of assignments", fontsize=8)
+    fig.suptitle("expert load per MoE layer (even: equal bands)", fontsize=9)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
 
 
 Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | float]
@@ -249,7 +330,16 @@ class LogHook(Hook):
             return
         self._write(trainer.metrics)
         if trainer.step % self.every == 0 or trainer.step == 1:
-            shown = ("step", "loss", "eval_loss", "lr", "samples_per_s", "tokens_per_s", "peak_rss_bytes")
+            shown = (
+                "step",
+                "loss",
+                "eval_loss",
+                "lr",
+                "samples_per_s",
+                "tokens_per_s",
+                "peak_rss_bytes",
+                "moe_imbalance",
+            )
             self.printer(" ".join(f"{k}={_fmt(trainer.metrics[k])}" for k in shown if k in trainer.metrics))
 
     def after_fit(self, trainer: Trainer) -> None:

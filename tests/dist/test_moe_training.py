@@ -112,3 +112,41 @@ def test_the_ledger_counts_the_formulas_all_to_all_bytes(pools):
     for r in results:
         assert r[3] == {"calls": layers * 4, "payload_bytes": layers * 4 * buffer,
                         "bytes": layers * 4 * buffer * (n - 1) / n}  # fmt: skip
+
+
+def train_with_routing_hook(layout: dict, plot: str) -> tuple:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tessera.engine import RoutingHook, Trainer
+
+    config = {"parallel": {"data": layout["data"], "expert": layout["expert"], "tensor": layout.get("tensor", 1)}}
+    ctx = use_layout(**layout, config=config)
+    model = build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
+    t = tokens()
+    loader = DataLoader(TensorDataset(t[:, :-1], t[:, 1:]), batch_size=GLOBAL_BATCH // layout["data"])
+    engine, loader, _, _ = tessera.initialize(model, optimizer, NextTokenLoss(), loader)
+    history = Trainer(engine, [RoutingHook(plot=plot)]).fit(loader, steps=3)
+    return history if ctx.rank == 0 else None
+
+
+def test_the_trainer_logs_each_experts_load_over_the_global_batch_and_plots_it(pools, tmp_path):
+    """RoutingHook's counts of the first step equal the single-process layers' on the same
+    micro-batches (each data rank's share: samples r, r + P, ...), counted once over the tensor
+    ranks; every step accounts for every assignment (kept + dropped); rank 0 draws the PNG."""
+    layout = dict(data=2, expert=2, tensor=2)
+    plot = tmp_path / "experts.png"
+    history = pools.run(4, train_with_routing_hook, layout, str(plot), timeout=600)[0]
+    use_layout(config={})
+    model = build()
+    x = tokens()[:, :-1]
+    for d in range(layout["data"]):
+        model(x[d : GLOBAL_BATCH : layout["data"]])
+    expected = {name: counts.tolist() for name, (counts, _) in take_routing_counts(model).items()}
+    assert history[0]["moe_tokens_per_expert"] == expected
+    layers, top_k = 2, 2
+    for metrics in history:
+        kept = sum(sum(c) for c in metrics["moe_tokens_per_expert"].values())
+        assert kept + metrics["moe_dropped"] == layers * GLOBAL_BATCH * SEQ * top_k
+        assert metrics["moe_imbalance"] >= 1.0
+    assert plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"
