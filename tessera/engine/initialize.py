@@ -28,6 +28,7 @@ from tessera.memory.deferred import to_device
 from tessera.memory.report import peak_rss_bytes
 from tessera.nn.recompute import checkpoint_blocks
 from tessera.parallel.data import AverageAtStep, DataParallel, distributed_loader
+from tessera.parallel.experts import is_expert
 from tessera.parallel.pipeline.partition import blocks_of
 from tessera.parallel.pipeline.stage import PipelineStage
 from tessera.parallel.pipeline.strategy import PipelineParallel
@@ -121,9 +122,9 @@ def choose_strategy(
 
 
 def check_model_fits_layout(model: nn.Module, ctx: ParallelContext) -> None:
-    """Raise ConfigError when ``ctx``'s tensor or pipeline axis has more than one rank but
-    ``model`` gives it nothing to split: the ranks of that axis would all compute the same
-    thing, silently, instead of sharing the work."""
+    """Raise ConfigError when ``ctx``'s tensor, expert or pipeline axis has more than one rank
+    but ``model`` gives it nothing to split: the ranks of that axis would all compute the same
+    thing (or, for experts, nothing would be spread), silently, instead of sharing the work."""
     name = type(model).__name__
     tensor = ctx.size("tensor")
     if tensor > 1 and not any(_split_along_tensor(p, ctx) for p in model.parameters()):
@@ -133,6 +134,13 @@ def check_model_fits_layout(model: nn.Module, ctx: ParallelContext) -> None:
             "layers (tessera.nn.Linear, Embedding, LayerNorm, ..., as tessera.models does), or set "
             "parallel.tensor.size=1 and give the ranks to data parallelism (unmodified Hugging Face "
             "models are split by their policy in tessera.initialize: docs/hf.md)"
+        )
+    expert = ctx.size("expert")
+    if expert > 1 and not any(is_expert(p) for p in model.parameters()):
+        raise ConfigError(
+            f"parallel.expert.size={expert}: {name} has no mixture-of-experts layer whose experts it could spread. "
+            "Build its MoE layers with tessera.nn.MoE (tessera's GPT: model.options num_experts, or a *-moe preset; "
+            "Hugging Face Mixtral is spread by its policy), or set parallel.expert.size=1"
         )
     pipeline = ctx.size("pipeline")
     if pipeline > 1 and not _has_pipeline_layers(model):

@@ -2,7 +2,7 @@
 
 ``tessera.initialize`` calls :func:`prepare` on a ``transformers`` model: with more than one
 tensor rank the model's policy rewrites it in place (GPT-2; LLaMA and the models that share its
-layout; BERT; ViT). A model without a policy fails there, naming the layouts that work (data
+layout; Mixtral, whose experts it also spreads over the expert axis; BERT; ViT). A model without a policy fails there, naming the layouts that work (data
 parallel, ZeRO, Gemini); :func:`register_policy` adds one. ``transformers`` is an optional extra
 (``pip install 'tessera[hf]'``); nothing here imports it.
 """

@@ -17,13 +17,13 @@ from torch import nn
 
 from tessera.context import ParallelContext
 from tessera.errors import ConfigError
-from tessera.hf import bert, gpt2, llama, vit
+from tessera.hf import bert, gpt2, llama, mixtral, vit
 from tessera.hf.policy import Policy, served
 from tessera.init.recording import recording_of
 
 __all__ = ["is_hf_model", "policy_for", "prepare", "registered"]
 
-BUILTIN = (gpt2.POLICY, llama.POLICY, bert.POLICY, vit.POLICY)
+BUILTIN = (gpt2.POLICY, llama.POLICY, mixtral.POLICY, bert.POLICY, vit.POLICY)
 
 
 def registered() -> dict[str, Policy]:
@@ -49,11 +49,14 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Para
         return model
     _record_initialisation(model)
     pipelined, sequenced = ctx.size("pipeline") > 1, ctx.size("sequence") > 1
-    if ctx.size("tensor") == 1 and not pipelined and not sequenced:
+    spread = ctx.size("expert") > 1
+    if ctx.size("tensor") == 1 and not pipelined and not sequenced and not spread:
         return model
     policy = policy_for(model)
     if ctx.size("tensor") > 1:
-        _split_tensors(model, optimizer, ctx, policy)
+        _split_tensors(model, optimizer, ctx, policy)  # the policy spreads the experts too
+    elif spread:
+        _spread_experts(model, optimizer, ctx, policy)
     if sequenced:
         _split_sequences(model, ctx, policy)
     if pipelined:
@@ -118,6 +121,31 @@ def _split_tensors(
     # alive; without one a freed parameter's id could be handed to a new one and alias them)
     old = list(model.parameters())
     replaced = policy.apply(model, ctx)
+    del old
+    if optimizer is not None:
+        _repoint(optimizer, replaced)
+
+
+def _spread_experts(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: ParallelContext, policy: Policy | None
+) -> None:
+    cls = type(model).__name__
+    if policy is None or policy.experts is None:
+        served = ", ".join(sorted(n for n, p in registered().items() if p.experts is not None)) or "none"
+        raise ConfigError(
+            f"parallel.expert.size={ctx.size('expert')}: tessera has no mixture-of-experts policy for the "
+            f"transformers model {cls} (expert policies serve: {served}); a dense model has no experts to "
+            "spread: set parallel.expert.size=1"
+        )
+    broken = policy.check(model, ctx)
+    if broken:
+        raise ConfigError(
+            f"parallel.expert.size={ctx.size('expert')}: {cls} cannot be split this way: {'; '.join(broken)}"
+        )
+    if optimizer is not None:
+        _check_optimizer_fresh(optimizer)
+    old = list(model.parameters())  # alive while the policy maps them by id()
+    replaced = policy.experts(model, ctx)
     del old
     if optimizer is not None:
         _repoint(optimizer, replaced)

@@ -39,6 +39,9 @@ class Policy:
     pipeline: Callable[[nn.Module], list[nn.Module]] | None = None
     # make the model attend over the sequence axis (ring, all-to-all); None: not supported
     sequence: Callable[[nn.Module, ParallelContext], None] | None = None
+    # spread the model's mixture-of-experts blocks over the expert axis (``apply`` does it too
+    # when the tensor axis is split), old id -> new parameter; None: the model has no experts
+    experts: Callable[[nn.Module, ParallelContext], dict[int, nn.Parameter]] | None = None
 
 
 _POLICIES: dict[str, Policy] = {}

@@ -48,7 +48,7 @@ forwards since it was last called (for logging; a recompute in the backward does
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -248,27 +248,12 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, shape[-1])
         count, e, k = tokens.shape[0], self.num_experts, self.top_k
         logits, probs, weights, experts = self.route(tokens)
-        # assignments in serving order: every token's first choice, then every second choice
-        chosen = experts.t().reshape(-1)
-        token = torch.arange(count, device=x.device).repeat(k)
-        weight = weights.t().reshape(-1)
-        one_hot = F.one_hot(chosen, e)
-        position = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1) - 1  # place in its expert's queue
-        routed = one_hot.sum(dim=0)
         capacity = self.capacity(count)
-        slots = capacity if capacity is not None else self._fullest(routed)
-        kept = position < slots
-        slot = (chosen * slots + position)[kept]
-        buffer = tokens.new_zeros(e * slots, shape[-1]).index_copy(0, slot, tokens[token[kept]])
-        out = self._compute(buffer.view(e, slots, shape[-1])).reshape(e * slots, shape[-1])
-        combined = out[slot] * weight[kept].unsqueeze(-1).to(out.dtype)
-        y = tokens.new_zeros(count, shape[-1]).index_add(0, token[kept], combined)
+        y, routed, per_expert, dropped = dispatch(tokens, weights, experts, e, capacity, self.experts, self.group)
         load_balance = e * (routed.float() / (count * k) * probs.mean(dim=0)).sum()
         z_loss = torch.logsumexp(logits, dim=-1).square().mean()
         aux = self.aux_loss_weight * load_balance + self.z_loss_weight * z_loss
         self.aux_loss = aux
-        per_expert = F.one_hot(chosen[kept], e).sum(dim=0).detach()
-        dropped = int((~kept).sum())
         self.stats = RoutingStats(per_expert, dropped, capacity, load_balance.detach(), z_loss.detach())
         if not _in_backward():
             self._counts = per_expert if self._counts is None else self._counts + per_expert
@@ -278,20 +263,60 @@ class MoE(nn.Module):
             y = _AttachAuxiliary.apply(y, aux, self)
         return y
 
-    def _fullest(self, routed: torch.Tensor) -> int:
-        """The most assignments any expert got here, or on any rank of the expert group."""
-        most = routed.max().reshape(1)
-        if self.group is not None and self.group.size > 1:
-            most = comm.all_reduce(most.clone(), self.group, op="max")
-        return max(1, int(most))
 
-    def _compute(self, buffer: torch.Tensor) -> torch.Tensor:
-        """The experts' outputs for ``buffer`` [experts, slots, d]: here, or on the ranks that hold
-        them (all-to-all there and back)."""
-        if self.group is None or self.group.size == 1:
-            return self.experts(buffer)
-        here = comm.all_to_all_forward_all_to_all_backward(buffer, self.group, 0, 1)  # [local, size*slots, d]
-        return comm.all_to_all_forward_all_to_all_backward(self.experts(here), self.group, 1, 0)
+def dispatch(
+    tokens: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    num_experts: int,
+    capacity: int | None,
+    compute: Callable[[torch.Tensor], torch.Tensor],
+    group: AxisGroup | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Send each token ``tokens`` [T, d] to its chosen ``experts`` [T, k] and sum their outputs
+    weighted by ``weights`` [T, k]: the assignments are served first choices first, earlier tokens
+    first, ``capacity`` per expert (None: all), packed into one ``[experts, slots, d]`` buffer that
+    ``compute`` (the local experts: ``[local experts, slots', d] -> same``) runs on, here or, with
+    ``group``, on the rank holding each expert (all-to-all there and back).
+
+    Returns ``(y [T, d], routed [experts] before capacity, kept [experts] after it, dropped)``.
+    The one routing path behind :class:`MoE` and the Hugging Face MoE blocks tessera runs."""
+    count, d, k = tokens.shape[0], tokens.shape[-1], experts.shape[-1]
+    # assignments in serving order: every token's first choice, then every second choice
+    chosen = experts.t().reshape(-1)
+    token = torch.arange(count, device=tokens.device).repeat(k)
+    weight = weights.t().reshape(-1)
+    one_hot = F.one_hot(chosen, num_experts)
+    position = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1) - 1  # place in its expert's queue
+    routed = one_hot.sum(dim=0)
+    slots = capacity if capacity is not None else _fullest(routed, group)
+    kept = position < slots
+    slot = (chosen * slots + position)[kept]
+    buffer = tokens.new_zeros(num_experts * slots, d).index_copy(0, slot, tokens[token[kept]])
+    out = _exchange(buffer.view(num_experts, slots, d), compute, group).reshape(num_experts * slots, d)
+    combined = out[slot] * weight[kept].unsqueeze(-1).to(out.dtype)
+    y = tokens.new_zeros(count, d).index_add(0, token[kept], combined.to(tokens.dtype))
+    per_expert = F.one_hot(chosen[kept], num_experts).sum(dim=0).detach()
+    return y, routed, per_expert, int((~kept).sum())
+
+
+def _fullest(routed: torch.Tensor, group: AxisGroup | None) -> int:
+    """The most assignments any expert got here, or on any rank of the expert group."""
+    most = routed.max().reshape(1)
+    if group is not None and group.size > 1:
+        most = comm.all_reduce(most.clone(), group, op="max")
+    return max(1, int(most))
+
+
+def _exchange(
+    buffer: torch.Tensor, compute: Callable[[torch.Tensor], torch.Tensor], group: AxisGroup | None
+) -> torch.Tensor:
+    """The experts' outputs for ``buffer`` [experts, slots, d]: here, or on the ranks that hold
+    them (all-to-all there and back)."""
+    if group is None or group.size == 1:
+        return compute(buffer)
+    here = comm.all_to_all_forward_all_to_all_backward(buffer, group, 0, 1)  # [local, size*slots, d]
+    return comm.all_to_all_forward_all_to_all_backward(compute(here), group, 1, 0)
 
 
 def auxiliary_loss(model: nn.Module) -> torch.Tensor | None:
@@ -319,12 +344,13 @@ def set_aux_grad_scale(model: nn.Module | Iterable[MoE], scale: float) -> None:
         layer.aux_grad_scale = scale
 
 
-def take_routing_counts(model: nn.Module) -> dict[str, tuple[torch.Tensor, int]]:
-    """Per MoE layer of ``model`` (by name): the assignments each expert computed and the
-    assignments dropped, summed over this rank's forwards since the last call (recomputes in
-    the backward excluded); the counts start again from zero."""
+def take_routing_counts(model: nn.Module | list[tuple[str, MoE]]) -> dict[str, tuple[torch.Tensor, int]]:
+    """Per MoE layer of ``model`` (by name; or the ``(name, layer)`` pairs of :func:`moe_layers`):
+    the assignments each expert computed and the assignments dropped, summed over this rank's
+    forwards since the last call (recomputes in the backward excluded); the counts start again
+    from zero."""
     out: dict[str, tuple[torch.Tensor, int]] = {}
-    for name, layer in moe_layers(model):
+    for name, layer in moe_layers(model) if isinstance(model, nn.Module) else model:
         counts = layer._counts if layer._counts is not None else torch.zeros(layer.num_experts, dtype=torch.long)
         out[name] = (counts, layer._dropped)
         layer._counts, layer._dropped = None, 0
@@ -336,6 +362,7 @@ __all__ = [
     "MoE",
     "RoutingStats",
     "auxiliary_loss",
+    "dispatch",
     "moe_layers",
     "set_aux_grad_scale",
     "take_routing_counts",
