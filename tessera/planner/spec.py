@@ -153,6 +153,11 @@ def from_gpt_preset(preset: str, seq_len: int | None = None, **overrides: Any) -
     from tessera.models.gpt import preset_config
 
     cfg = preset_config(preset, **overrides)
+    if cfg.num_experts:
+        raise ConfigError(
+            f"gpt:{preset} has mixture-of-experts blocks ({cfg.num_experts} experts), which the planner does not "
+            "model yet: set the layout by hand (parallel.expert, docs/moe.md)"
+        )
     return ModelSpec(
         name=f"gpt:{preset}",
         family="gpt",

@@ -224,3 +224,10 @@ def test_tessera_plan_help_lists_every_flag(capsys):
     for flag in ("--model", "--devices", "--nodes", "--device-memory", "--global-batch", "--seq-len", "--dtype",
                  "--calibrate", "--top", "--out", "--flops", "--intra-bw", "--inter-bw", "50% of peak"):  # fmt: skip
         assert flag in text
+
+
+def test_a_mixture_of_experts_preset_is_refused_rather_than_planned_as_dense():
+    from tessera.planner.spec import from_gpt_preset
+
+    with pytest.raises(ConfigError, match="mixture-of-experts blocks .8 experts.*parallel.expert"):
+        from_gpt_preset("tiny-moe")
