@@ -79,6 +79,7 @@ BENCH_TARGETS: dict[str, str] = {  # name -> "module:function"; each strategy ad
     "hf": "tessera.bench.hf:main",
     "serve": "tessera.bench.serve:main",
     "plan": "tessera.bench.plan:main",
+    "moe": "tessera.bench.moe:main",
 }
 
 # name -> what it measures, how long it takes on 2 CPU cores, what it needs
@@ -109,6 +110,9 @@ BENCH_HELP: dict[str, str] = {
     "(about 20 s); needs the hf and serve extras and httpx",
     "plan": "the planner's predicted peak memory and step time against measurement for 24 layouts of GPT small, "
     "2, 4 and 8 ranks (about 10 min; --calibrate ranks the step times, about 2 min more)",
+    "moe": "the MoE GPT (tiny-moe) under expert parallelism (ep1 and ep2 on 2 ranks, ep2 on 4) vs a dense GPT of "
+    "the same active parameters and DeepSpeed-MoE: step time, tokens/s, parameters, losses (about 3 min); the "
+    "DeepSpeed rows need the bench extra",
 }
 
 
