@@ -35,10 +35,14 @@ parameters, the tied embedding once.
 Losses: every side records the mean over the ranks of its micro-batch loss at every step (a
 warm-up step, then the timed ones; each side on the same batches). tessera's and DeepSpeed's
 MoE start from the same weights on the same batches, so their first losses agree to 1e-4 (the
-run checks it); after that their auxiliary losses differ (tessera's load-balancing loss counts
-both choices and adds the router z-loss, DeepSpeed's counts first choices only), so their
-trajectories drift apart slowly (checked within 2e-2). The dense GPT is another model; its
-losses are reported beside them.
+run checks it). After that they drift apart slowly (checked within 2e-2) for two reasons, both
+DeepSpeed's semantics: its auxiliary loss differs (tessera's load-balancing loss counts both
+choices and adds the router z-loss; DeepSpeed's counts first choices only, no z-loss), and when
+capacity drops a token's choice DeepSpeed renormalises the token's weights over the choices kept
+(tessera, as GShard, keeps the weights and the dropped choice adds nothing). Without drops
+(``moe_capacity_factor=None``) and without auxiliary losses the two train to the same losses
+(5e-8 relative over 10 steps of ``tiny-moe`` on ep2; the tests check 1e-5 at their size). The
+dense GPT is another model; its losses are reported beside them.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ DENSE = "dense GPT"
 DEEPSPEED = "DeepSpeed-MoE"
 
 FIRST_STEP_RTOL = 1e-4  # same weights, same batch: only the order of sums differs
-TRAJECTORY_RTOL = 2e-2  # the auxiliary losses differ (module docstring)
+TRAJECTORY_RTOL = 2e-2  # the auxiliary losses and the weights after drops differ (module docstring)
 
 
 @dataclass(frozen=True)

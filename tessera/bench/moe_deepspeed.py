@@ -10,7 +10,9 @@ consecutive ranks: expert ``e`` lives on expert-parallel rank ``e // (experts / 
 after DeepSpeed makes its groups). Routing as tessera's: top-k with the weights renormalised,
 the second choice the second-largest probability (``top2_2nd_expert_sampling=False``; DeepSpeed's
 default samples it with Gumbel noise), capacity ``ceil(factor * tokens * k / experts)`` with
-first choices served first (``min_capacity=1``). As its users train it, the loss DeepSpeed
+first choices served first (``min_capacity=1``); one difference is DeepSpeed's own: when a
+token's choice is dropped, it renormalises the token's weights over the choices kept (tessera
+keeps them). As its users train it, the loss DeepSpeed
 differentiates is the model's loss plus ``aux_loss_weight`` times its layers' ``l_aux`` (its own
 load-balancing loss, from the first choices; it has no z-loss).
 """

@@ -15,9 +15,11 @@ from tessera.bench.report import Row
 from tessera.models import gpt
 from tests.e2e.test_bench import check
 
+# without capacity drops and auxiliary losses, where tessera's and DeepSpeed's MoE compute the same
 TINY = moe.Workload(
     seq_len=16, micro_batch=2, distinct_batches=1,
-    overrides=dict(d_model=32, n_layers=2, n_heads=4, d_ff=32, num_experts=4),
+    overrides=dict(d_model=32, n_layers=2, n_heads=4, d_ff=32, num_experts=4, moe_capacity_factor=None,
+                   moe_aux_loss_weight=0.0, moe_z_loss_weight=0.0),
 )  # fmt: skip
 
 
@@ -50,9 +52,9 @@ def test_bench_moe_rows(tmp_path):
     losses = result["losses"]
     assert all(len(values) == 3 for values in losses.values())
     assert losses[moe.TESSERA][-1] < losses[moe.TESSERA][0]
-    if ds:  # the same weights and batch: the same first loss
+    if ds:  # the same weights and batches, no drops, no auxiliary losses: the same losses every step
         assert by["step_time_s", deepspeed]["anchor_value"] == median[moe.DEEPSPEED]
-        assert abs(by["loss_first", deepspeed]["ratio"] - 1) <= moe.FIRST_STEP_RTOL
+        assert result["worst"] <= 1e-5, (losses[moe.TESSERA], losses[moe.DEEPSPEED])
     lines = moe.table(TINY, report).splitlines()
     assert len(lines) == 2 + (3 if ds else 2) and all(line.startswith(f"| {name} |") for line in lines[2:])
 
