@@ -27,8 +27,8 @@ rank holds ``experts / E``): ep1 dp2 (every rank holds every expert), ep2 dp2, a
 
 Step time: the sides of a layout are built in one rank pool and run in alternating blocks of
 steps (ABC, then CBA; :func:`tessera.bench.timing.alternate`), each block timed between barriers
-with the slowest rank's time; the value is the median over blocks of the time per step.
-``tokens_per_s``: the tokens of all ranks' micro-batches over it. ``params_total`` and
+with the slowest rank's time; the value is the median over blocks (default 16 of 3 steps) of
+the time per step. ``tokens_per_s``: the tokens of all ranks' micro-batches over it. ``params_total`` and
 ``params_active`` (per token: all but the experts a token is not routed to) count single-process
 parameters, the tied embedding once.
 
@@ -307,8 +307,8 @@ def table(w: Workload, report: dict[str, dict[str, Any]]) -> str:
 def run(
     w: Workload | None = None,
     layouts: tuple[Layout, ...] | list[Layout] = LAYOUTS,
-    blocks: int = 10,
-    steps: int = 2,
+    blocks: int = 16,
+    steps: int = 3,
     with_deepspeed: bool | None = None,
     report: dict[str, dict[str, Any]] | None = None,
 ) -> list[Row]:

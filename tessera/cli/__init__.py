@@ -111,7 +111,7 @@ BENCH_HELP: dict[str, str] = {
     "plan": "the planner's predicted peak memory and step time against measurement for 24 layouts of GPT small, "
     "2, 4 and 8 ranks (about 10 min; --calibrate ranks the step times, about 2 min more)",
     "moe": "the MoE GPT (tiny-moe) under expert parallelism (ep1 and ep2 on 2 ranks, ep2 on 4) vs a dense GPT of "
-    "the same active parameters and DeepSpeed-MoE: step time, tokens/s, parameters, losses (about 3 min); the "
+    "the same active parameters and DeepSpeed-MoE: step time, tokens/s, parameters, losses (about 2 min); the "
     "DeepSpeed rows need the bench extra",
 }
 

