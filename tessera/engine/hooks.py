@@ -171,7 +171,6 @@ def plot_expert_load(history: list[dict[str, Any]], path: Path) -> None:
         counts = torch.tensor([per_layer[layer] for _, per_layer in rows], dtype=torch.float64)
         shares = counts / counts.sum(dim=1, keepdim=True).clamp(min=1)
         ax.stackplot(steps, shares.t().numpy(), labels=[f"expert {e}" for e in range(shares.shape[1])])
-        ax.axhline(0.5, color="white", linewidth=0.5)
         ax.set_ylim(0, 1)
         ax.set_title(layer, fontsize=8)
         ax.set_xlabel("step", fontsize=8)
@@ -179,7 +178,7 @@ def plot_expert_load(history: list[dict[str, Any]], path: Path) -> None:
     for ax in list(axes.flat)[len(layers) :]:
         ax.axis("off")
     axes.flat[0].set_ylabel("share of assignments", fontsize=8)
-    fig.suptitle("expert load per MoE layer (even: equal bands)", fontsize=9)
+    fig.suptitle("share of each expert in the assignments, per MoE layer (balanced: equal bands)", fontsize=9)
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")
