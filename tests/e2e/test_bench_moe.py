@@ -111,4 +111,4 @@ def test_bench_moe_refuses_a_deepspeed_side_that_trains_something_else():
     with pytest.raises(RuntimeError, match="first-step losses"):
         moe.check_losses({moe.TESSERA: ours, moe.DEEPSPEED: [5.51, 5.4, 5.3]})
     with pytest.raises(RuntimeError, match="largest difference over 3 steps"):
-        moe.check_losses({moe.TESSERA: ours, moe.DEEPSPEED: [5.5, 5.4, 5.5]})
+        moe.check_losses({moe.TESSERA: ours, moe.DEEPSPEED: [5.5, 5.4, 5.8]})
