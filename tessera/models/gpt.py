@@ -96,16 +96,16 @@ PRESETS: dict[str, GPTConfig] = {
     # Byte-level sizes that train in seconds on a laptop CPU.
     "tiny": GPTConfig(vocab_size=256, max_seq_len=128, d_model=128, n_layers=4, n_heads=4),
     "small": GPTConfig(vocab_size=256, max_seq_len=256, d_model=256, n_layers=6, n_heads=8),
-    # Mixtral-style blocks: 8 SwiGLU experts, each token routed to 2 (active MLP: 2 x 3 x d x ff).
-    "tiny-moe": GPTConfig(vocab_size=256, max_seq_len=128, d_model=128, n_layers=4, n_heads=4, d_ff=256, num_experts=8),
-    "small-moe": GPTConfig(
-        vocab_size=256, max_seq_len=256, d_model=256, n_layers=6, n_heads=8, d_ff=512, num_experts=8
-    ),
     # The GPT-2 family (Radford et al. 2019): 124M, 355M, 774M and 1.5B parameters.
     "gpt2": GPTConfig(vocab_size=50257, max_seq_len=1024, d_model=768, n_layers=12, n_heads=12),
     "gpt2-medium": GPTConfig(vocab_size=50257, max_seq_len=1024, d_model=1024, n_layers=24, n_heads=16),
     "gpt2-large": GPTConfig(vocab_size=50257, max_seq_len=1024, d_model=1280, n_layers=36, n_heads=20),
     "gpt2-xl": GPTConfig(vocab_size=50257, max_seq_len=1024, d_model=1600, n_layers=48, n_heads=25),
+    # Mixtral-style blocks: 8 SwiGLU experts, each token routed to 2 (active MLP: 2 x 3 x d x ff).
+    "tiny-moe": GPTConfig(vocab_size=256, max_seq_len=128, d_model=128, n_layers=4, n_heads=4, d_ff=256, num_experts=8),
+    "small-moe": GPTConfig(
+        vocab_size=256, max_seq_len=256, d_model=256, n_layers=6, n_heads=8, d_ff=512, num_experts=8
+    ),
 }
 
 
