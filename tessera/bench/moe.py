@@ -28,9 +28,9 @@ rank holds ``experts / E``): ep1 dp2 (every rank holds every expert), ep2 dp2, a
 Step time: the sides of a layout are built in one rank pool and run in alternating blocks of
 steps (ABC, then CBA; :func:`tessera.bench.timing.alternate`), each block timed between barriers
 with the slowest rank's time; the value is the median over blocks (default 16 of 3 steps) of
-the time per step. ``tokens_per_s``: the tokens of all ranks' micro-batches over it. ``params_total`` and
-``params_active`` (per token: all but the experts a token is not routed to) count single-process
-parameters, the tied embedding once.
+the time per step. ``tokens_per_s``: the tokens of all ranks' micro-batches over it.
+``params_total`` and ``params_active`` (per token: all but the experts a token is not routed
+to) count single-process parameters, the tied embedding once.
 
 Losses: every side records the mean over the ranks of its micro-batch loss at every step (a
 warm-up step, then the timed ones; each side on the same batches). tessera's and DeepSpeed's
