@@ -52,6 +52,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tessera.bench.checks import agreed, loss_gaps
 from tessera.bench.report import Row, print_rows, write_rows
 from tessera.bench.timing import alternate
 from tessera.bench.zero_sides import deepspeed_available
@@ -182,15 +183,6 @@ def build_deepspeed(w: Workload) -> StepFn:
     return step
 
 
-def _agreed(ok: bool, group: Any) -> bool:
-    """Whether every rank of ``group`` says ``ok`` (a collective)."""
-    from tessera import comm
-
-    flag = torch.tensor([0.0 if ok else 1.0])
-    comm.all_reduce(flag, group, op="max")
-    return bool(flag.item() == 0.0)
-
-
 def _rank_body(w: Workload, blocks: int, steps: int, with_deepspeed: bool) -> dict[str, Any]:
     """On every rank: build the sides, take one warm-up step each, then time alternating blocks."""
     from tessera.testing import use_layout
@@ -211,7 +203,7 @@ def _rank_body(w: Workload, blocks: int, steps: int, with_deepspeed: bool) -> di
             if label == TESSERA:
                 raise
             error = f"{type(exc).__name__}: {exc}"
-        if not _agreed(error is None, group):
+        if not agreed(error is None, group):
             step_fns.pop(label, None)
             errors[label] = error or "failed on another rank"
     losses: dict[str, list[float]] = {label: [] for label in step_fns}
@@ -248,22 +240,7 @@ def collectives_in(fn: Callable[[], None]) -> int:
 def check_losses(losses: dict[str, list[float]]) -> dict[str, float]:
     """Each anchor's largest relative loss difference from tessera's over the steps; raises when
     the first step differs by more than 1e-4 or any step by more than 1e-3 (relative)."""
-    ours = losses[TESSERA]
-    worst: dict[str, float] = {}
-    for label, theirs in losses.items():
-        if label == TESSERA:
-            continue
-        if len(theirs) != len(ours):
-            raise RuntimeError(f"{label} took {len(theirs)} steps, {TESSERA} {len(ours)}")
-        diffs = [abs(a - b) / abs(a) for a, b in zip(ours, theirs, strict=True)]
-        if diffs[0] > FIRST_STEP_RTOL or max(diffs) > TRAJECTORY_RTOL:
-            raise RuntimeError(
-                f"{label} trains something else than {TESSERA}: first-step losses {theirs[0]} and {ours[0]} "
-                f"(relative difference {diffs[0]:.2e}, allowed {FIRST_STEP_RTOL}), largest difference over "
-                f"{len(diffs)} steps {max(diffs):.2e} (allowed {TRAJECTORY_RTOL})"
-            )
-        worst[label] = max(diffs)
-    return worst
+    return loss_gaps(losses, TESSERA, FIRST_STEP_RTOL, TRAJECTORY_RTOL)
 
 
 def rows_of(w: Workload, result: dict[str, Any]) -> list[Row]:

@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 
+from tessera.bench.checks import agreed, loss_gaps
 from tessera.bench.report import Row, print_rows, write_rows
 from tessera.bench.timing import alternate
 from tessera.bench.zero_sides import deepspeed_available
@@ -171,7 +172,6 @@ def build_tessera(model: torch.nn.Module, lr: float) -> StepFn:
 
 def _rank_body(layout: Layout, w: Workload, blocks: int, steps: int, with_deepspeed: bool) -> dict[str, Any]:
     """On every rank: build the sides, take one warm-up step each, time alternating blocks."""
-    from tessera.bench.hf import _agreed
     from tessera.context import set_context
     from tessera.models.gpt import GPT
     from tessera.testing import use_layout
@@ -208,7 +208,7 @@ def _rank_body(layout: Layout, w: Workload, blocks: int, steps: int, with_deepsp
             step_fns[DEEPSPEED] = build_deepspeed_moe(models[TESSERA], expert_rank, layout.expert, w.micro_batch, w.lr)
         except Exception as exc:  # it cannot run here: its rows are absent, the reason printed
             error = f"{type(exc).__name__}: {exc}"
-        if not _agreed(error is None, group):
+        if not agreed(error is None, group):
             step_fns.pop(DEEPSPEED, None)
             errors[DEEPSPEED] = error or "failed on another rank"
     data = batches_of(w, group.rank)
@@ -239,17 +239,8 @@ def check_losses(losses: dict[str, list[float]]) -> float | None:
     without it); raises when the first step differs by more than 1e-4 or any by more than 5e-2."""
     if DEEPSPEED not in losses:
         return None
-    ours, theirs = losses[TESSERA], losses[DEEPSPEED]
-    if len(theirs) != len(ours):
-        raise RuntimeError(f"{DEEPSPEED} took {len(theirs)} steps, {TESSERA} {len(ours)}")
-    diffs = [abs(a - b) / abs(a) for a, b in zip(ours, theirs, strict=True)]
-    if diffs[0] > FIRST_STEP_RTOL or max(diffs) > TRAJECTORY_RTOL:
-        raise RuntimeError(
-            f"{DEEPSPEED} trains something else than {TESSERA}: first-step losses {theirs[0]} and {ours[0]} "
-            f"(relative difference {diffs[0]:.2e}, allowed {FIRST_STEP_RTOL}), largest difference over "
-            f"{len(diffs)} steps {max(diffs):.2e} (allowed {TRAJECTORY_RTOL})"
-        )
-    return max(diffs)
+    pair = {TESSERA: losses[TESSERA], DEEPSPEED: losses[DEEPSPEED]}
+    return loss_gaps(pair, TESSERA, FIRST_STEP_RTOL, TRAJECTORY_RTOL)[DEEPSPEED]
 
 
 def dense_label(w: Workload) -> str:

@@ -11,7 +11,7 @@ from tessera.comm.autograd import (
     split_along,
     split_forward_gather_backward,
 )
-from tessera.comm.flat import all_gather_into, reduce_scatter_into
+from tessera.comm.flat import all_gather_into, all_reduce_flat, reduce_scatter_into
 from tessera.comm.group import AxisGroup, hold_process_group, release_process_groups, single_rank_group
 from tessera.comm.ledger import CommRecord, Ledger, ledger, logical_bytes
 from tessera.comm.ops import (
@@ -48,6 +48,7 @@ __all__ = [
     "all_gather",
     "all_gather_forward_reduce_scatter_backward",
     "all_gather_into",
+    "all_reduce_flat",
     "all_reduce",
     "all_reduce_async",
     "all_reduce_forward_copy_backward",

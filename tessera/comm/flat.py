@@ -1,5 +1,6 @@
 """Collectives on flat buffers that the caller owns, for sharded model state (ZeRO, chunks).
 
+``all_reduce_flat`` all-reduces a list of tensors (gradients) as one flat buffer, in place.
 ``all_gather_into`` and ``reduce_scatter_into`` write into preallocated 1-D buffers instead of
 returning new tensors, and may run asynchronously (``async_op=True`` returns a :class:`Pending`
 to wait on), so that a gather of the next chunk or the reduction of a finished gradient bucket
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 from tessera.comm.group import AxisGroup
 from tessera.comm.ledger import record
-from tessera.comm.ops import Group, Pending, _enter, _is_gloo, _nbytes, _wait, resolve
+from tessera.comm.ops import Group, Pending, _enter, _is_gloo, _nbytes, _wait, all_reduce, resolve
 from tessera.comm.progress import Entered
 
 
@@ -31,6 +32,21 @@ def _check_flat(full: torch.Tensor, shard: torch.Tensor, size: int, what: str) -
         )
     if full.dtype != shard.dtype:
         raise ValueError(f"{what}: dtypes differ ({full.dtype} and {shard.dtype})")
+
+
+def all_reduce_flat(tensors: list[torch.Tensor], group: Group, op: str = "sum", divide_by: int = 1) -> None:
+    """All-reduce ``tensors`` in place as one flat buffer (one collective): each becomes the
+    ``op`` over the members of its values divided by ``divide_by`` (before the reduction)."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    if divide_by != 1:
+        flat.div_(divide_by)
+    all_reduce(flat, group, op=op)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def all_gather_into(full: torch.Tensor, shard: torch.Tensor, group: Group, async_op: bool = False) -> Pending:

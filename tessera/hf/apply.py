@@ -1,5 +1,5 @@
 """Applying policies: :func:`prepare`, which ``tessera.initialize`` calls on a ``transformers``
-model, looks its policy up (the built-in ones are registered on import: GPT-2, LLaMA, BERT,
+model, looks its policy up (the built-in ones are registered on import: GPT-2, LLaMA, Mixtral, BERT,
 ViT), checks the model against the layout, rewrites it and hands the optimizer the new
 parameters.
 
@@ -10,6 +10,7 @@ model class, the rule and the layouts that do work.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -115,15 +116,7 @@ def _split_tensors(
             f"{layout}: {cls} cannot be split this way: {'; '.join(broken)}. Layouts that work: a tensor "
             f"size that divides them, or {works}"
         )
-    if optimizer is not None:
-        _check_optimizer_fresh(optimizer)
-    # the policy maps parameters by id(): the old ones must outlive it (an optimizer keeps them
-    # alive; without one a freed parameter's id could be handed to a new one and alias them)
-    old = list(model.parameters())
-    replaced = policy.apply(model, ctx)
-    del old
-    if optimizer is not None:
-        _repoint(optimizer, replaced)
+    _rewrite(model, optimizer, lambda: policy.apply(model, ctx))
 
 
 def _spread_experts(
@@ -142,10 +135,21 @@ def _spread_experts(
         raise ConfigError(
             f"parallel.expert.size={ctx.size('expert')}: {cls} cannot be split this way: {'; '.join(broken)}"
         )
+    spread = policy.experts
+    _rewrite(model, optimizer, lambda: spread(model, ctx))
+
+
+def _rewrite(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, rewrite: Callable[[], dict[int, nn.Parameter]]
+) -> None:
+    """Run a policy's ``rewrite`` of ``model`` (it returns old parameter id -> new parameter) and
+    point ``optimizer`` (None: none) at the new parameters."""
     if optimizer is not None:
         _check_optimizer_fresh(optimizer)
-    old = list(model.parameters())  # alive while the policy maps them by id()
-    replaced = policy.experts(model, ctx)
+    # the policy maps parameters by id(): the old ones must outlive it (an optimizer keeps them
+    # alive; without one a freed parameter's id could be handed to a new one and alias them)
+    old = list(model.parameters())
+    replaced = rewrite()
     del old
     if optimizer is not None:
         _repoint(optimizer, replaced)

@@ -20,14 +20,13 @@ import torch
 from torch import nn
 
 from tessera import comm
-from tessera.comm import AxisGroup
 from tessera.context import ParallelContext
 from tessera.context.placement import ShardSpec
 from tessera.hf.decoder import Block, Layout
 from tessera.hf.plans import heads_rule
 from tessera.hf.policy import Policy, register_policy
 from tessera.hf.stages import pipeline_layers
-from tessera.nn.moe import dispatch
+from tessera.nn.moe import dispatch, expert_groups
 from tessera.parallel.tensor.common import shard_parameter
 
 LAYOUT = Layout(
@@ -42,10 +41,6 @@ LAYOUT = Layout(
 )
 
 
-def _group(ctx: ParallelContext, axis: str) -> AxisGroup | None:
-    return ctx.group(axis) if ctx.size(axis) > 1 else None
-
-
 class SpreadExperts(nn.Module):
     """Mixtral's experts (``gate_up_proj``, ``down_proj``), this rank's experts and block of each
     one's width: ``[local experts, slots, d] -> [local experts, slots, d]``."""
@@ -53,9 +48,9 @@ class SpreadExperts(nn.Module):
     def __init__(self, module: Any, ctx: ParallelContext) -> None:
         super().__init__()
         experts, two_ff, d = module.gate_up_proj.shape
-        e_axis = ("expert",) if ctx.size("expert") > 1 else ()
-        t_axis = ("tensor",) if ctx.size("tensor") > 1 else ()
-        self.tensor = _group(ctx, "tensor")
+        spread, self.tensor = expert_groups(ctx)
+        e_axis = ("expert",) if spread is not None else ()
+        t_axis = ("tensor",) if self.tensor is not None else ()
         self.act_fn = module.act_fn
         self.gate_up_proj = shard_parameter(module.gate_up_proj, ShardSpec((experts, two_ff, d), (e_axis, t_axis, ()), (1, 2, 1)), ctx)  # fmt: skip
         self.down_proj = shard_parameter(module.down_proj, ShardSpec((experts, d, two_ff // 2), (e_axis, (), t_axis)), ctx)  # fmt: skip
@@ -80,7 +75,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = SpreadExperts(module.experts, ctx)
         self.num_experts = int(module.gate.num_experts)
         self.jitter_noise = float(getattr(module, "jitter_noise", 0.0) or 0.0)
-        self.group = _group(ctx, "expert")
+        self.group, _ = expert_groups(ctx)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape

@@ -79,7 +79,7 @@ class RoutingStats:
     z_loss: torch.Tensor
 
 
-def _groups(ctx: ParallelContext | None) -> tuple[AxisGroup | None, AxisGroup | None]:
+def expert_groups(ctx: ParallelContext | None) -> tuple[AxisGroup | None, AxisGroup | None]:
     """The expert group and the tensor group an MoE layer splits over in ``ctx`` (None: not split);
     refuses layouts whose activations an MoE cannot route (2D/2.5D/3D tensor modes, 1D with
     sequence-parallel regions)."""
@@ -114,7 +114,7 @@ class GroupedExperts(nn.Module):
         if activation not in ("gelu", "swiglu"):
             raise ValueError(f"expert activation {activation!r} is not one of gelu, swiglu")
         ctx = resolve_context(ctx)
-        experts, tensor = _groups(ctx)
+        experts, tensor = expert_groups(ctx)
         if experts is not None and num_experts % experts.size:
             raise ValueError(f"MoE: num_experts={num_experts} does not split over {experts.size} expert-parallel ranks")
         if tensor is not None and ff_dim % tensor.size:
@@ -215,7 +215,7 @@ class MoE(nn.Module):
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(f"MoE: capacity_factor={capacity_factor} must be positive (None: no drops)")
         ctx = resolve_context(ctx)
-        self.group, _ = _groups(ctx)
+        self.group, _ = expert_groups(ctx)
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.normalize = top_k > 1 if normalize is None else normalize
         self.aux_loss_weight, self.z_loss_weight = aux_loss_weight, z_loss_weight
@@ -363,6 +363,7 @@ __all__ = [
     "RoutingStats",
     "auxiliary_loss",
     "dispatch",
+    "expert_groups",
     "moe_layers",
     "set_aux_grad_scale",
     "take_routing_counts",

@@ -96,16 +96,9 @@ class AverageAtStep(Strategy):
     def reduce_gradients(self) -> None:
         reduce_expert_gradients(self.module.parameters(), self.ctx)
         group = self.ctx.replicas
-        params = [p for p in self.module.parameters() if p.grad is not None and not is_expert(p)]
-        if group.size == 1 or not params:
-            return
-        flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
-        comm.all_reduce(flat, group, op="avg")
-        offset = 0
-        for p in params:
-            assert p.grad is not None
-            p.grad.copy_(flat[offset : offset + p.grad.numel()].view_as(p.grad))
-            offset += p.grad.numel()
+        if group.size > 1:
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None and not is_expert(p)]
+            comm.all_reduce_flat(grads, group, op="avg")
 
 
 __all__ = [

@@ -37,15 +37,4 @@ def reduce_expert_gradients(params: Iterable[torch.Tensor], ctx: ParallelContext
     (module docstring): one flat all-reduce over ``ctx.expert_replicas``. Collective over that
     group; every rank passes its experts (the same shapes across the group)."""
     grads = [p.grad for p in params if is_expert(p) and p.grad is not None]
-    if not grads:
-        return
-    replicas, holders = ctx.replicas.size, ctx.expert_replicas
-    if holders.size == 1:
-        torch._foreach_div_(grads, replicas)
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads]).div_(replicas)
-    comm.all_reduce(flat, holders)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    comm.all_reduce_flat(grads, ctx.expert_replicas, divide_by=ctx.replicas.size)  # divides alone on one rank

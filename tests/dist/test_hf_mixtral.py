@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers
 
 import tessera
 from tessera.checkpoint import full_state_dict
 from tessera.errors import ConfigError
 from tessera.testing import use_layout
+from tests.dist.test_hf_tensor import loss_of, optimizer_of
 
 STEPS, BATCH, SEQ, VOCAB, MICRO = 6, 8, 16, 64, 2
 
@@ -34,14 +34,6 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, VOCAB, (STEPS, BATCH, SEQ + 1), generator=g)
     return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
-
-
-def loss_of(output, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(output.logits.flatten(0, 1), targets.flatten())
-
-
-def optimizer_of(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
 
 
 def reference() -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -1,0 +1,39 @@
+"""What benches check of their sides before reporting them: that every rank built a side, and
+that an anchor trains the same model as tessera (its loss trajectory close to tessera's)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def agreed(ok: bool, group: Any) -> bool:
+    """Whether every rank of ``group`` says ``ok`` (a collective)."""
+    from tessera import comm
+
+    flag = torch.tensor([0.0 if ok else 1.0])
+    comm.all_reduce(flag, group, op="max")
+    return bool(flag.item() == 0.0)
+
+
+def loss_gaps(losses: dict[str, list[float]], reference: str, first_rtol: float, rtol: float) -> dict[str, float]:
+    """Each other side's largest relative loss difference from ``reference``'s over the steps;
+    raises when a side's first step differs by more than ``first_rtol`` or any step by more
+    than ``rtol`` (it trains something else)."""
+    ours = losses[reference]
+    worst: dict[str, float] = {}
+    for label, theirs in losses.items():
+        if label == reference:
+            continue
+        if len(theirs) != len(ours):
+            raise RuntimeError(f"{label} took {len(theirs)} steps, {reference} {len(ours)}")
+        diffs = [abs(a - b) / abs(a) for a, b in zip(ours, theirs, strict=True)]
+        if diffs[0] > first_rtol or max(diffs) > rtol:
+            raise RuntimeError(
+                f"{label} trains something else than {reference}: first-step losses {theirs[0]} and {ours[0]} "
+                f"(relative difference {diffs[0]:.2e}, allowed {first_rtol}), largest difference over "
+                f"{len(diffs)} steps {max(diffs):.2e} (allowed {rtol})"
+            )
+        worst[label] = max(diffs)
+    return worst
