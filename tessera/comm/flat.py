@@ -70,21 +70,32 @@ def all_gather_into(full: torch.Tensor, shard: torch.Tensor, group: Group, async
 
 
 def reduce_scatter_into(
-    shard: torch.Tensor, full: torch.Tensor, group: Group, op: str = "sum", async_op: bool = False
+    shard: torch.Tensor,
+    full: torch.Tensor,
+    group: Group,
+    op: str = "sum",
+    async_op: bool = False,
+    divide_by: int = 1,
 ) -> Pending:
-    """The sum (or average, ``op="avg"``) over members of ``full`` [P*n]; this member's part
-    [n] is written into ``shard``. With ``async_op`` the average's division happens at ``wait``;
-    as with any asynchronous collective, ``full`` stays unchanged until then."""
+    """The sum (or average, ``op="avg"``) over members of ``full`` [P*n], divided by
+    ``divide_by``; this member's part [n] is written into ``shard``. With ``async_op`` the
+    division happens at ``wait``; as with any asynchronous collective, ``full`` stays unchanged
+    until then."""
     g = resolve(group)
     _check_flat(full, shard, g.size, "reduce_scatter_into")
     if op not in ("sum", "avg"):
         raise ValueError(f"reduce_scatter_into: op {op!r} is not sum or avg")
+    if divide_by < 1:
+        raise ValueError(f"reduce_scatter_into: divide_by={divide_by} is not a positive count")
+    members = g.size if op == "avg" else 1
+    factor = 1.0 / (members * divide_by) if members * divide_by != 1 else None
     if g.size == 1:
         shard.copy_(full)
+        if factor is not None:
+            shard.mul_(factor)
         return Pending(None, "reduce_scatter", g, shard)
     record("reduce_scatter", g.name, g.size, _nbytes(full))
     entered = _enter("reduce_scatter", g)
-    factor = 1.0 / g.size if op == "avg" else None
     if _is_gloo(g):
         pending: Pending = _Exchanged("reduce_scatter", full, shard, g, factor, entered)
     else:

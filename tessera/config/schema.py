@@ -539,11 +539,10 @@ class Config:
                     f"gemini with parallel.sequence.size={self.parallel.sequence.size}: Gemini with sequence "
                     "parallelism is not supported yet; use ZeRO (zero.stage) with it, or sequence.size=1"
                 )
-        if self.parallel.expert.size > 1 and (self.zero.stage > 0 or self.gemini.active):
-            what = "gemini" if self.gemini.active else f"zero.stage={self.zero.stage}"
+        if self.parallel.expert.size > 1 and self.gemini.active:
             raise ConfigError(
-                f"{what} with parallel.expert.size={self.parallel.expert.size}: sharding expert weights over the "
-                "data ranks that replicate them is not available yet; use zero.stage=0 with expert parallelism"
+                f"gemini with parallel.expert.size={self.parallel.expert.size}: Gemini's chunks are not sharded "
+                "over the ranks that hold the same experts yet; use ZeRO (zero.stage 1-3) with expert parallelism"
             )
         if self.zero.stage >= 2 and self.parallel.pipeline.size > 1:
             raise ConfigError(

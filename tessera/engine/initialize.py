@@ -100,11 +100,10 @@ def choose_strategy(
     """The one place that maps a layout to a strategy: pipeline stages (with a replicated or a
     ZeRO-1 optimizer), Gemini, ZeRO with its stage's policy, or DDP."""
     check_model_fits_layout(model, ctx)
-    if ctx.size("expert") > 1 and (options.zero is not None or options.gemini is not None):
+    if ctx.size("expert") > 1 and options.gemini is not None:
         raise NotAvailableError(
-            f"{'gemini' if options.gemini is not None else 'ZeRO'} with parallel.expert.size={ctx.size('expert')}: "
-            "sharding expert weights over the data ranks that replicate them is not available yet; train expert "
-            "parallelism without ZeRO (zero.stage=0)"
+            f"gemini with parallel.expert.size={ctx.size('expert')}: Gemini's chunks are not sharded over the "
+            "ranks that hold the same experts yet; use ZeRO (zero.stage 1-3) with expert parallelism"
         )
     if ctx.size("pipeline") > 1:
         stage = _pipeline_stage(model, criterion, ctx, options)  # cut before ZeRO packs the chunks

@@ -182,7 +182,8 @@ class Chunk:
 
 class ChunkStore:
     """Tensors packed into chunks of at most ``chunk_numel`` elements (a larger tensor gets a
-    chunk of its own), in the order given, each chunk sharded over ``group``."""
+    chunk of its own), in the order given, each chunk sharded over ``group`` (or over the group
+    ``groups`` names for its tensors)."""
 
     def __init__(
         self,
@@ -197,6 +198,7 @@ class ChunkStore:
         device: torch.device | None = None,
         chunk_type: type[Chunk] = Chunk,
         fixed_size: bool = False,
+        groups: Sequence[AxisGroup] | None = None,
     ) -> None:
         """``named``: the tensors to pack; ``dtype``: the chunks' dtype (default: each tensor's);
         ``bins``: a label per tensor (a parameter group, a block of the model); tensors of
@@ -207,9 +209,13 @@ class ChunkStore:
         :class:`Chunk`); ``fixed_size``: every chunk holds ``chunk_numel`` elements however
         many its tensors fill (buffers of one size that take turns in the same memory). Tensors
         on the meta device (a deferred model) are not copied: their values are written into the
-        chunks later."""
+        chunks later. ``groups``: a group per tensor, instead of ``group`` for all (tensors of
+        different groups never share a chunk; an MoE layer's experts shard over the ranks that
+        replicate them, the rest of the model over all data ranks)."""
         if chunk_numel < 1:
             raise ValueError(f"chunk_numel={chunk_numel} must be at least 1")
+        if groups is not None and len(groups) != len(named):
+            raise ValueError(f"ChunkStore: {len(groups)} groups for {len(named)} tensors")
         self.group = group
         self.chunks: list[Chunk] = []
         self._where: dict[str, tuple[Chunk, Slot]] = {}
@@ -224,8 +230,9 @@ class ChunkStore:
                 slots.append(Slot(name, index, tensor.shape, offset, tensor.numel()))
                 offset += tensor.numel()
             first = pending[0][2]
+            chunk_group = group if groups is None else groups[pending[0][0]]
             chunk = chunk_type(
-                slots, dtype or first.dtype, device or first.device, group, keep_full, index=len(self.chunks),
+                slots, dtype or first.dtype, device or first.device, chunk_group, keep_full, index=len(self.chunks),
                 capacity=chunk_numel if fixed_size else 0,
             )  # fmt: skip
             with torch.no_grad():
@@ -254,6 +261,7 @@ class ChunkStore:
                 raise ValueError(f"tensor name {name!r} appears twice")
             starts_new = pending and (
                 labels[index] != labels[pending[0][0]]
+                or (groups is not None and groups[index] is not groups[pending[0][0]])
                 or tensor.dtype != pending[0][2].dtype
                 or tensor.device != pending[0][2].device
                 or filled + tensor.numel() > chunk_numel

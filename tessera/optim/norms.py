@@ -13,7 +13,10 @@ Each tensor's :class:`~tessera.context.placement.Placement` says how it is sprea
 
 A piece may carry both split kinds (a ZeRO piece of a tensor-parallel block): the data sum comes
 first, then the sums over the tensor axes. Replicas (the data axis without ZeRO) hold the same
-gradients after reduction and are not summed.
+gradients after reduction and are not summed. An MoE layer's experts are split over the
+``expert`` axis, a coordinate of the data axis, and ZeRO shards them over the other coordinate
+(``expert_data``): the data sum of their pieces already covers the expert axis, which is then
+skipped.
 """
 
 from __future__ import annotations
@@ -24,8 +27,15 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from tessera import comm
-from tessera.context import ParallelContext
+from tessera.context import EXPERT_AXES, ParallelContext
 from tessera.context.placement import Placement, placement_of
+
+
+def _axes_left(placement: Placement, summed_over_data: bool) -> tuple[str, ...]:
+    """The axes to sum a tensor's squared norm over: its split axes, less, once the data axis
+    has summed it (ZeRO pieces), the coordinates of the data axis (module docstring)."""
+    axes = placement.split_axes
+    return tuple(a for a in axes if a not in EXPERT_AXES) if summed_over_data else axes
 
 
 def full_ndim(param: torch.Tensor) -> int:
@@ -93,7 +103,8 @@ def whole_sq_norms(
     _sum_zero_pieces(sq, params, ctx, zero_layout)
     by_axes: dict[tuple[str, ...], list[int]] = defaultdict(list)
     for i, p in enumerate(params):
-        axes = placement_of(p).split_axes
+        placement = placement_of(p)
+        axes = _axes_left(placement, summed_over_data=placement.zero is not None)
         if axes and any(ctx.size(a) > 1 for a in axes):
             by_axes[axes].append(i)
     for axes, index in sorted(by_axes.items()):
@@ -224,6 +235,6 @@ def norm_from_slot_squares(
     members: dict[tuple[str, ...], list[int]] = defaultdict(list)
     for i, placement in enumerate(zero_slots):
         if placement.counted_on(stage):
-            members[placement.split_axes].append(i)
+            members[_axes_left(placement, summed_over_data=True)].append(i)
     parts = {axes: per_slot[index].sum() for axes, index in members.items()}
     return _stage_sum(parts, ctx, per_slot.device).sqrt()

@@ -45,6 +45,7 @@ from tessera.memory.host import copy_to_device_, host_copy, wait_for_device
 from tessera.optim.host_adam import HostAdamW
 from tessera.optim.norms import global_grad_norm
 from tessera.optim.wrapping import WrapsOptimizer, optimizer_entries
+from tessera.parallel.experts import is_expert
 from tessera.zero.policy import ZeroOptions
 from tessera.zero.release import ReleaseOnUse
 
@@ -80,6 +81,11 @@ class ZeroOptimizer(WrapsOptimizer):
         # gathers one block at a time, and stage 2 reduces a block as soon as its backward ends).
         labels: dict[tuple[int, str], int] = {}
         bins = [labels.setdefault((g, _unit_of(model, n)), len(labels)) for g, (n, _) in zip(group_of, entries)]
+        # An MoE layer's experts are sharded over the ranks that hold the same experts, and
+        # their gradients, already summed over the expert axis by the all-to-all's backward, are
+        # divided by all the replicas (tessera.parallel.experts); the rest over all replicas.
+        experts = [is_expert(p) for p in self.params]
+        shard_groups = [ctx.expert_replicas if e else ctx.replicas for e in experts] if any(experts) else None
         self._slot_of: dict[int, tuple[Chunk, Slot]] = {}
 
         def adopt(chunk: Chunk) -> None:
@@ -101,8 +107,13 @@ class ZeroOptimizer(WrapsOptimizer):
             bins=bins,
             on_close=adopt,
             device=ctx.device,
+            groups=shard_groups,
         )
         self._chunk_bin = {c.index: group_of[c.slots[0].index] for c in self.store.chunks}
+        # what each chunk's reduce-scatter divides its sum by besides its group's size (experts)
+        self._divide = {
+            c.index: ctx.replicas.size // c.group.size if experts[c.slots[0].index] else 1 for c in self.store.chunks
+        }
         self._pieces: list[list[tuple[nn.Parameter, int, int]]] = []  # per chunk: (piece, start, end)
         self._install_pieces(entries, [self._make_master(c) for c in self.store.chunks])
         if options.offload == "cpu" and type(optimizer) is torch.optim.AdamW:
@@ -250,7 +261,7 @@ class ZeroOptimizer(WrapsOptimizer):
     def _reduce_bucket(self, chunk: Chunk) -> None:
         bucket = self._buckets.pop(chunk.index)
         out = torch.empty(chunk.shard_numel, dtype=self.param_dtype, device=bucket.device)
-        pending = comm.reduce_scatter_into(out, bucket, self.group, op="avg", async_op=True)
+        pending = self._reduce_scatter(out, bucket, chunk)
         self._in_flight.append((chunk, pending, bucket))
         # Two reductions in flight at most: older buckets are freed as the backward goes on, so
         # the whole model's gradients never exist at once.
@@ -261,6 +272,12 @@ class ZeroOptimizer(WrapsOptimizer):
         """The chunk's gradients are complete: its parameters may go (when they are released)."""
         if self._release is not None:
             chunk.release()
+
+    def _reduce_scatter(self, out: torch.Tensor, bucket: torch.Tensor, chunk: Chunk) -> Pending:
+        """Start the average of ``chunk``'s gradients (``bucket``) over the replicas; this rank's
+        shard of it arrives in ``out``."""
+        divide = self._divide[chunk.index]
+        return comm.reduce_scatter_into(out, bucket, chunk.group, op="avg", async_op=True, divide_by=divide)
 
     def _drain(self, keep: int = 0) -> None:
         """Wait for the reduce-scatters in flight (all but the newest ``keep``) and add their
@@ -334,7 +351,7 @@ class ZeroOptimizer(WrapsOptimizer):
             if not any_grad:
                 continue
             out = torch.empty(chunk.shard_numel, dtype=self.param_dtype, device=bucket.device)
-            pending.append((chunk, comm.reduce_scatter_into(out, bucket, self.group, op="avg", async_op=True), bucket))
+            pending.append((chunk, self._reduce_scatter(out, bucket, chunk), bucket))
         for chunk, work, _ in pending:
             self.grad_shards[chunk.index] = work.wait()
 
@@ -366,7 +383,7 @@ class ZeroOptimizer(WrapsOptimizer):
                 for piece, start, end in pieces:
                     shard[start:end].copy_(piece)
                 full = torch.empty(chunk.padded_numel, dtype=torch.float32, device=shard.device)
-                comm.all_gather_into(full, shard, self.group)
+                comm.all_gather_into(full, shard, chunk.group)
                 for slot in chunk.slots:
                     master = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
                     masters.append((self.params[slot.index], master))

@@ -78,16 +78,22 @@ def body_flat(layout):
             comm.all_gather_into(fulls[k], values(ctx.rank, k, n, dtype), "data", async_op=True) for k in range(2)
         ]
         inputs = [values(ctx.rank, 10 + k, p * n, dtype) for k in range(3)]
-        ops = ("sum", "avg", "sum")
-        reductions = [comm.reduce_scatter_into(outs[k], inputs[k], "data", op=ops[k], async_op=True) for k in range(3)]
+        ops, divides = ("sum", "avg", "avg"), (1, 1, 3)  # the last: an expert chunk's average
+        reductions = [
+            comm.reduce_scatter_into(outs[k], inputs[k], "data", op=ops[k], async_op=True, divide_by=divides[k])
+            for k in range(3)
+        ]
         for pending in reversed(reductions + gathers):
             pending.wait()
         for k in range(2):
             torch.testing.assert_close(fulls[k], torch.cat([values(r, k, n, dtype) for r in members]))
         for k in range(3):
             total = sum(values(r, 10 + k, p * n, dtype)[me * n : (me + 1) * n] for r in members)
-            expected = total / p if ops[k] == "avg" else total
+            expected = (total / p if ops[k] == "avg" else total) / divides[k]
             torch.testing.assert_close(outs[k], expected)
+        alone = torch.empty(p * n, dtype=dtype)  # a group of one member: a copy, still divided
+        comm.reduce_scatter_into(alone, inputs[0], "pipeline", op="avg", divide_by=2)
+        torch.testing.assert_close(alone, inputs[0] / 2)
         # synchronous, and a shard that is a view into the full buffer
         full = torch.zeros(p * n, dtype=dtype)
         full[me * n : (me + 1) * n] = values(ctx.rank, 20, n, dtype)

@@ -18,6 +18,7 @@ from tessera import comm
 from tessera.checkpoint import full_state_dict
 from tessera.models import NextTokenLoss, gpt
 from tessera.nn.moe import take_routing_counts
+from tessera.parallel.experts import is_expert
 from tessera.testing import use_layout
 
 STEPS, GLOBAL_BATCH, SEQ = 20, 8, 16
@@ -39,9 +40,11 @@ def micro_batches(step: int, part: int, parts: int, splits: int):
     return [(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in rows.chunk(splits)]
 
 
-def train(layout: dict, microbatches: int) -> tuple:
+def train(layout: dict, microbatches: int, zero: int = 0, optim: str = "adamw", clip: float | None = None) -> tuple:
     """Train on this rank of ``layout`` (``{}``: one process); each data rank's share of the
-    global batch cut into ``microbatches`` (a pipeline's, or the reference's accumulation)."""
+    global batch cut into ``microbatches`` (a pipeline's, or the reference's accumulation);
+    with ZeRO stage ``zero``, ``optim`` (AdamW, or LAMB, whose trust ratios take whole-parameter
+    norms) and clipping at ``clip``."""
     data = layout.get("data", 1)
     pipeline = layout.get("pipeline", 1)
     config = {
@@ -54,38 +57,58 @@ def train(layout: dict, microbatches: int) -> tuple:
             else 1,
         },
         "gradient_accumulation": 1 if pipeline > 1 else microbatches,
+        "zero": {"stage": zero},
+        "clip_grad_norm": clip,
     }
     ctx = use_layout(**layout, config=config)
     model = build()
     initial = full_state_dict(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
+    if optim == "lamb":
+        optimizer = tessera.optim.LAMB(model.parameters(), lr=3e-3, eps=1e-6)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
     engine, _, _, _ = tessera.initialize(model, optimizer, NextTokenLoss())
     d = ctx.local_rank("data")
-    with comm.ledger() as first_step:
-        losses = [engine.train_batch(iter(micro_batches(0, d, data, microbatches)))]
-    losses += [engine.train_batch(iter(micro_batches(s, d, data, microbatches))) for s in range(1, STEPS)]
+    losses, norms = [], []
+    for s in range(STEPS):
+        with comm.ledger() as ledger:
+            losses.append(engine.train_batch(iter(micro_batches(s, d, data, microbatches))))
+        norms.append(engine.last_grad_norm)  # the clipped gradient's norm before clipping
+        first_step = ledger if s == 0 else first_step
     dropped = sum(n for _, n in take_routing_counts(model).values())
     final = full_state_dict(model)
     exchanged = first_step.summary().get(("all_to_all", "expert"))
-    return losses, dropped, (initial, final) if ctx.rank == 0 else None, exchanged
+    stepped = {True: 0, False: 0}  # elements this rank's optimizer steps: expert, other
+    for group in engine.optimizer.param_groups:
+        for p in group["params"]:
+            stepped[is_expert(p)] += p.numel()
+    return losses, dropped, (initial, final) if ctx.rank == 0 else None, exchanged, norms, stepped
 
 
 LAYOUTS = {
-    # name: (ranks, layout, micro-batches per data rank)
+    # name: (ranks, layout, micro-batches per data rank[, ZeRO stage, optimizer])
     "ep2-dp2": (4, dict(data=4, expert=2), 1),
     "ep2-tp2": (4, dict(data=2, expert=2, tensor=2), 1),
     "ep2-pp2": (4, dict(data=2, expert=2, pipeline=2), 2),
+    # ZeRO shards the experts over expert_data (2 ranks each), the rest over all 4 data ranks
+    "ep2-dp2-zero1-lamb": (4, dict(data=4, expert=2), 1, 1, "lamb"),
+    "ep2-dp2-zero2": (4, dict(data=4, expert=2), 2, 2, "adamw"),
+    "ep2-dp2-zero3": (4, dict(data=4, expert=2), 1, 3, "adamw"),
+    "ep2-tp2-zero2": (4, dict(data=2, expert=2, tensor=2), 1, 2, "adamw"),
+    "ep2-pp2-zero1": (4, dict(data=2, expert=2, pipeline=2), 2, 1, "adamw"),
 }
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_moe_gpt_trains_to_the_single_process_answer(pools, name):
-    ranks, layout, m = LAYOUTS[name]
+    ranks, layout, m, *sharded = LAYOUTS[name]
+    zero, optim = sharded or (0, "adamw")
     data = layout["data"]
-    reference = train({}, data * m)  # the same micro-batches, accumulated in one process
-    results = pools.run(ranks, train, layout, m, timeout=600)
-    losses, dropped, (initial, final), _ = results[0]
-    ref_losses, ref_dropped, (ref_initial, ref_final), _ = reference
+    clip = 0.5 if zero else None  # below most steps' gradient norms
+    reference = train({}, data * m, 0, optim, clip)  # the same micro-batches, accumulated in one process
+    results = pools.run(ranks, train, layout, m, zero, optim, clip, timeout=600)
+    losses, dropped, (initial, final), _, norms, _ = results[0]
+    ref_losses, ref_dropped, (ref_initial, ref_final), _, ref_norms, ref_stepped = reference
     assert ref_dropped > 0, "capacity drops were exercised"
     # the same assignments dropped: every tensor rank routes alike, each stage counts its layers
     assert sum(r[1] for r in results) == ref_dropped * layout.get("tensor", 1)
@@ -93,6 +116,13 @@ def test_moe_gpt_trains_to_the_single_process_answer(pools, name):
         assert torch.equal(initial[key], ref_initial[key]), key
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     assert all(r[0] == losses for r in results), "every rank reports the same loss"
+    if clip is not None:  # each whole parameter counted once: experts, their ZeRO pieces and tensor blocks
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+        assert sum(n > clip for n in ref_norms) > STEPS // 2, "clipping scaled most steps"
+    if zero and set(layout) == {"data", "expert"}:  # ZeRO: each element stepped by one rank only
+        expert_numel = sum(p.numel() for n, p in build().named_parameters() if ".experts." in n)
+        assert sum(r[5][True] for r in results) == expert_numel > 0
+        assert sum(r[5][False] for r in results) == sum(ref_stepped.values()) - expert_numel > 0
     assert final.keys() == ref_final.keys()
     for key in ref_final:
         torch.testing.assert_close(final[key], ref_final[key], rtol=1e-5, atol=1e-5, msg=key)
@@ -150,3 +180,45 @@ def test_the_trainer_logs_each_experts_load_over_the_global_batch_and_plots_it(p
         assert kept + metrics["moe_dropped"] == layers * GLOBAL_BATCH * SEQ * top_k
         assert metrics["moe_imbalance"] >= 1.0
     assert plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"
+
+
+BEFORE, AFTER = 4, 3
+
+
+def train_with_checkpoint(layout: dict, zero: int, path: str, resume: bool) -> tuple | None:
+    """Under ``layout`` with ZeRO stage ``zero``: train BEFORE steps and save into ``path``
+    (or load from it), then the next AFTER steps; their losses and the final weights (rank 0)."""
+    from tessera.checkpoint import load, save
+
+    config = {"parallel": {"data": layout["data"], "expert": layout["expert"]}, "zero": {"stage": zero}}
+    ctx = use_layout(**layout, config=config)
+    model = build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
+    engine, _, _, _ = tessera.initialize(model, optimizer, NextTokenLoss())
+    d, data = ctx.local_rank("data"), layout["data"]
+    if resume:
+        assert load(path, engine) == BEFORE
+    else:
+        for s in range(BEFORE):
+            engine.train_batch(iter(micro_batches(s, d, data, 1)))
+        save(path, engine)
+    losses = [engine.train_batch(iter(micro_batches(s, d, data, 1))) for s in range(BEFORE, BEFORE + AFTER)]
+    final = full_state_dict(model)
+    return (losses, final) if ctx.rank == 0 else None
+
+
+@pytest.mark.parametrize(
+    "target", [(dict(data=4, expert=4), 0), (dict(data=4, expert=1), 3)], ids=["ep4", "ep1-zero3"]
+)
+def test_an_ep2_zero2_checkpoint_resumes_under_other_expert_layouts(pools, tmp_path, target):
+    """Saved with the experts spread over 2 ranks and ZeRO-2 sharding them over the other 2
+    (optimizer states included), it loads with one expert per rank, or with every expert on
+    every rank under ZeRO-3: the next steps match the uninterrupted run (same data ranks, so the
+    same micro-batches route alike)."""
+    path = str(tmp_path / "ep2-zero2")
+    expected = pools.run(4, train_with_checkpoint, dict(data=4, expert=2), 2, path, False, timeout=600)[0]
+    layout, zero = target
+    losses, final = pools.run(4, train_with_checkpoint, layout, zero, path, True, timeout=600)[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected[0]), rtol=1e-5, atol=0)
+    for key in expected[1]:
+        torch.testing.assert_close(final[key], expected[1][key], rtol=1e-5, atol=1e-6, msg=key)

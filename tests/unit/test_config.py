@@ -243,3 +243,9 @@ def test_keep_blocks_reaches_the_layout_from_the_config():
     for tensor in (dict(size=4, mode="2d"), dict(size=8, mode="2.5d", depth=2), dict(size=8, mode="3d")):
         cfg = load_config({"parallel": {"tensor": dict(tensor, keep_blocks=True)}})
         assert parallel_dims(cfg, tensor["size"]).keep_blocks is True
+
+
+def test_gemini_with_an_expert_axis_is_refused_and_zero_is_not():
+    with pytest.raises(ConfigError, match="gemini with parallel.expert.size=2"):
+        load_config({"parallel": {"data": 4, "expert": 2}, "gemini": {"enabled": True}})
+    assert load_config({"parallel": {"data": 4, "expert": 2}, "zero": {"stage": 3}}).zero.stage == 3
