@@ -30,6 +30,7 @@ RANKS: dict[str, float] = {
     "data": 5.0,
     "planner": 5.05,  # the auto-parallel planner: cost models over model shapes, layout search
     "inference": 5.1,  # generation with a paged KV cache over models and hf
+    "rlhf": 5.2,  # SFT, reward models, DPO, PPO and GRPO over the engine, models and inference
     "config": 6.0,  # builds the options of the layers below from a config
     "session": 6.1,  # the current run: context, config, tessera.initialize
     "launcher": 6.2,

@@ -1,0 +1,130 @@
+"""Aligning language models: supervised fine-tuning, reward modelling, PPO, DPO and GRPO.
+
+The parts, from the bottom: :mod:`~tessera.rlhf.data` (examples from JSONL files, tokenizers),
+:mod:`~tessera.rlhf.batches` (tokenized datasets and the batches each method takes, with their
+alignment of log-probabilities to tokens), :mod:`~tessera.rlhf.sorting` (a synthetic preference
+task a tiny GPT learns on a CPU, with its rule-based reward), :mod:`~tessera.rlhf.tokens`
+(log-probabilities of tokens, masked reductions), :mod:`~tessera.rlhf.advantages` (per-token
+rewards with a KL penalty, GAE, KL controllers, GRPO's group-relative advantages) and
+:mod:`~tessera.rlhf.losses` (SFT, pairwise reward, PPO policy and value, DPO, GRPO).
+"""
+
+from tessera.rlhf.advantages import (
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    KLController,
+    gae,
+    grpo_advantages,
+    kl_estimate,
+    per_token_rewards,
+)
+from tessera.rlhf.batches import (
+    PreferenceDataset,
+    PromptDataset,
+    SequenceBatch,
+    SFTBatch,
+    SFTDataset,
+    TokenizedPair,
+    TokenizedSFT,
+    build_rollout_batch,
+    collate_pairs,
+    collate_prompts,
+    collate_sft,
+    split_pairs,
+)
+from tessera.rlhf.data import (
+    DataFileError,
+    HFTokenizer,
+    PreferenceExample,
+    PromptExample,
+    SFTExample,
+    TextTokenizer,
+    as_text_tokenizer,
+    default_pad_id,
+    load_preferences,
+    load_prompts,
+    load_sft,
+    prompts_from,
+    read_jsonl,
+    sft_from_preferences,
+)
+from tessera.rlhf.losses import (
+    DPO_LOSS_TYPES,
+    GRPO_LOSS_TYPES,
+    dpo_loss,
+    grpo_loss,
+    pairwise_reward_loss,
+    ppo_policy_loss,
+    ppo_value_loss,
+    sft_loss,
+)
+from tessera.rlhf.sorting import (
+    SORTING_STOP,
+    SortingFiles,
+    sorting_examples,
+    sorting_files,
+    sorting_reward,
+    write_sorting_files,
+)
+from tessera.rlhf.tokens import (
+    masked_mean,
+    masked_sum,
+    masked_whiten,
+    token_logprobs,
+)
+
+__all__ = [
+    "AdaptiveKLController",
+    "DPO_LOSS_TYPES",
+    "DataFileError",
+    "FixedKLController",
+    "GRPO_LOSS_TYPES",
+    "HFTokenizer",
+    "KLController",
+    "KL_ESTIMATORS",
+    "PreferenceDataset",
+    "PreferenceExample",
+    "PromptDataset",
+    "PromptExample",
+    "SFTBatch",
+    "SFTDataset",
+    "SFTExample",
+    "SORTING_STOP",
+    "SequenceBatch",
+    "SortingFiles",
+    "TextTokenizer",
+    "TokenizedPair",
+    "TokenizedSFT",
+    "as_text_tokenizer",
+    "build_rollout_batch",
+    "collate_pairs",
+    "collate_prompts",
+    "collate_sft",
+    "default_pad_id",
+    "dpo_loss",
+    "gae",
+    "grpo_advantages",
+    "grpo_loss",
+    "kl_estimate",
+    "load_preferences",
+    "load_prompts",
+    "load_sft",
+    "masked_mean",
+    "masked_sum",
+    "masked_whiten",
+    "pairwise_reward_loss",
+    "per_token_rewards",
+    "ppo_policy_loss",
+    "ppo_value_loss",
+    "prompts_from",
+    "read_jsonl",
+    "sft_from_preferences",
+    "sft_loss",
+    "sorting_examples",
+    "sorting_files",
+    "sorting_reward",
+    "split_pairs",
+    "token_logprobs",
+    "write_sorting_files",
+]
