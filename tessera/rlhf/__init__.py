@@ -5,8 +5,9 @@ The parts, from the bottom: :mod:`~tessera.rlhf.data` (examples from JSONL files
 alignment of log-probabilities to tokens), :mod:`~tessera.rlhf.sorting` (a synthetic preference
 task a tiny GPT learns on a CPU, with its rule-based reward), :mod:`~tessera.rlhf.tokens`
 (log-probabilities of tokens, masked reductions), :mod:`~tessera.rlhf.advantages` (per-token
-rewards with a KL penalty, GAE, KL controllers, GRPO's group-relative advantages) and
-:mod:`~tessera.rlhf.losses` (SFT, pairwise reward, PPO policy and value, DPO, GRPO).
+rewards with a KL penalty, GAE, KL controllers, GRPO's group-relative advantages),
+:mod:`~tessera.rlhf.losses` (SFT, pairwise reward, PPO policy and value, DPO, GRPO) and the
+trainers over tessera's engine: :mod:`~tessera.rlhf.dpo`.
 """
 
 from tessera.rlhf.advantages import (
@@ -49,6 +50,12 @@ from tessera.rlhf.data import (
     read_jsonl,
     sft_from_preferences,
 )
+from tessera.rlhf.dpo import (
+    DPOOptions,
+    DPOTrainer,
+    logits_of,
+    response_logprobs,
+)
 from tessera.rlhf.losses import (
     DPO_LOSS_TYPES,
     GRPO_LOSS_TYPES,
@@ -75,6 +82,10 @@ from tessera.rlhf.tokens import (
 )
 
 __all__ = [
+    "response_logprobs",
+    "logits_of",
+    "DPOTrainer",
+    "DPOOptions",
     "AdaptiveKLController",
     "DPO_LOSS_TYPES",
     "DataFileError",
