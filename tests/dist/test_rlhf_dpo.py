@@ -1,0 +1,49 @@
+"""DPO under data parallelism with ZeRO-2 (2 ranks, each its half of the pairs) takes the same
+steps as one process accumulating the same halves (fp32, 1e-5): losses, margins and weights."""
+
+from __future__ import annotations
+
+import torch
+
+import tessera
+from tessera.checkpoint import full_state_dict
+from tessera.inference.text import ByteTokenizer
+from tessera.models import gpt
+from tessera.rlhf import DPOOptions, DPOTrainer, PreferenceDataset, load_preferences, sorting_files
+from tessera.testing import use_layout
+
+STEPS, PAIRS = 4, 8  # pairs per step, over all ranks
+
+
+def build() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return gpt("tiny", vocab_size=256, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, d_ff=64, dropout=0.0)
+
+
+def train(data: int, zero: int) -> tuple | None:
+    """STEPS DPO steps; each step's pairs cut into ``data`` halves: this rank's half, or (one
+    process) every half as a micro-batch of its own."""
+    ctx = use_layout(data=data, config={"parallel": {"data": data}, "zero": {"stage": zero},
+                                        "gradient_accumulation": 2 // data})  # fmt: skip
+    policy = build()
+    engine, _, _, _ = tessera.initialize(policy, torch.optim.AdamW(policy.parameters(), lr=1e-3))
+    trainer = DPOTrainer(engine, build(), DPOOptions(beta=0.1))
+    pairs = PreferenceDataset(load_preferences(sorting_files().train)[: STEPS * PAIRS], ByteTokenizer())
+    history = []
+    for step in range(STEPS):
+        halves = [list(range(step * PAIRS + h, (step + 1) * PAIRS, 2)) for h in range(2)]
+        mine = [halves[ctx.local_rank("data")]] if data == 2 else halves
+        history.append(trainer.train_step([pairs.collate([pairs[i] for i in rows]) for rows in mine]))
+    state = full_state_dict(engine.model)
+    return (history, state) if ctx.rank == 0 else None
+
+
+def test_dpo_under_zero2_dp2_takes_the_single_process_steps(pools):
+    expected_history, expected_state = train(1, 0)
+    history, state = pools.run(2, train, 2, 2, timeout=600)[0]
+    for got, want in zip(history, expected_history):
+        for key in want:
+            assert abs(got[key] - want[key]) <= 1e-5 * max(1.0, abs(want[key])), (key, got, want)
+    assert expected_history[-1]["margin"] > 0
+    for key in expected_state:
+        torch.testing.assert_close(state[key], expected_state[key], rtol=1e-5, atol=1e-6, msg=key)
