@@ -7,6 +7,7 @@ task a tiny GPT learns on a CPU, with its rule-based reward), :mod:`~tessera.rlh
 (log-probabilities of tokens, masked reductions), :mod:`~tessera.rlhf.advantages` (per-token
 rewards with a KL penalty, GAE, KL controllers, GRPO's group-relative advantages),
 :mod:`~tessera.rlhf.losses` (SFT, pairwise reward, PPO policy and value, DPO, GRPO) and the
+models with value heads for critics and reward models (:mod:`~tessera.rlhf.models`) and the
 trainers over tessera's engine: :mod:`~tessera.rlhf.dpo`.
 """
 
@@ -66,6 +67,16 @@ from tessera.rlhf.losses import (
     ppo_value_loss,
     sft_loss,
 )
+from tessera.rlhf.models import (
+    GPTValueModel,
+    HFValueModel,
+    ValueModel,
+    sequence_values,
+    token_logprobs_fn,
+    value_head,
+    value_model,
+    vocab_parallel_token_logprobs,
+)
 from tessera.rlhf.sorting import (
     SORTING_STOP,
     SortingFiles,
@@ -75,6 +86,7 @@ from tessera.rlhf.sorting import (
     write_sorting_files,
 )
 from tessera.rlhf.tokens import (
+    LogprobsFn,
     masked_mean,
     masked_sum,
     masked_whiten,
@@ -82,6 +94,15 @@ from tessera.rlhf.tokens import (
 )
 
 __all__ = [
+    "LogprobsFn",
+    "vocab_parallel_token_logprobs",
+    "value_model",
+    "value_head",
+    "token_logprobs_fn",
+    "sequence_values",
+    "ValueModel",
+    "HFValueModel",
+    "GPTValueModel",
     "response_logprobs",
     "logits_of",
     "DPOTrainer",

@@ -23,11 +23,10 @@ import torch
 
 from tessera.rlhf.batches import SequenceBatch, split_pairs
 from tessera.rlhf.losses import DPO_LOSS_TYPES, dpo_loss
-from tessera.rlhf.tokens import masked_mean, masked_sum, token_logprobs
+from tessera.rlhf.models import token_logprobs_fn
+from tessera.rlhf.tokens import LogprobsFn, masked_mean, masked_sum, token_logprobs
 
 __all__ = ["DPOOptions", "DPOTrainer", "logits_of", "response_logprobs"]
-
-LogprobsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -80,7 +79,7 @@ class DPOTrainer:
         reference: Callable[[torch.Tensor], Any] | None,
         options: DPOOptions | None = None,
         *,
-        logprobs: LogprobsFn = token_logprobs,
+        logprobs: LogprobsFn | None = None,
     ) -> None:
         self.policy = policy
         self.options = options or DPOOptions()
@@ -89,22 +88,28 @@ class DPOTrainer:
         self.reference = None if self.options.reference_free else reference
         if isinstance(self.reference, torch.nn.Module):
             self.reference.eval().requires_grad_(False)
-        self.logprobs = logprobs
+        # vocabulary-parallel logits (tessera's GPT under 1D tensor parallelism) need their group's
+        self.logprobs = logprobs or token_logprobs_fn(policy.module)
+        self.reference_logprobs = (
+            token_logprobs_fn(self.reference) if isinstance(self.reference, torch.nn.Module) else self.logprobs
+        )
 
-    def _pair_logprobs(self, logits: torch.Tensor, batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        each = response_logprobs(logits, batch, mean=self.options.loss_type == "ipo", logprobs=self.logprobs)
+    def _pair_logprobs(
+        self, logits: torch.Tensor, batch: SequenceBatch, logprobs: LogprobsFn
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        each = response_logprobs(logits, batch, mean=self.options.loss_type == "ipo", logprobs=logprobs)
         return split_pairs(each)
 
     def _reference_logprobs(self, batch: SequenceBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if self.reference is None:
             return None, None
         with torch.no_grad():
-            return self._pair_logprobs(logits_of(self.reference(batch["input_ids"])), batch)
+            return self._pair_logprobs(logits_of(self.reference(batch["input_ids"])), batch, self.reference_logprobs)
 
     def losses(self, logits: torch.Tensor, batch: SequenceBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The mean DPO loss of the policy's ``logits`` on ``batch`` and its statistics (detached):
         implicit rewards of chosen and rejected, their margin, and the pairs ranked right."""
-        chosen, rejected = self._pair_logprobs(logits, batch)
+        chosen, rejected = self._pair_logprobs(logits, batch, self.logprobs)
         ref_chosen, ref_rejected = self._reference_logprobs(batch)
         o = self.options
         losses, chosen_rewards, rejected_rewards = dpo_loss(

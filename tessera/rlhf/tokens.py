@@ -7,12 +7,17 @@ true at real tokens, float32 arithmetic for lower-precision inputs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 from torch.autograd.function import once_differentiable
 
-__all__ = ["masked_mean", "masked_sum", "masked_whiten", "token_logprobs"]
+__all__ = ["LogprobsFn", "masked_mean", "masked_sum", "masked_whiten", "token_logprobs"]
+
+LogprobsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""How token log-probs ``[B, T]`` are taken from ``[B, T, V]`` logits and ``[B, T]`` tokens:
+:func:`token_logprobs`, or a vocabulary-parallel one bound to a tensor group."""
 
 # token_logprobs works on at most this many logits at a time (64 MiB of float32), so the float32
 # copy of a bfloat16 [B, T, V] block never exists whole.
