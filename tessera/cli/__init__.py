@@ -80,6 +80,7 @@ BENCH_TARGETS: dict[str, str] = {  # name -> "module:function"; each strategy ad
     "serve": "tessera.bench.serve:main",
     "plan": "tessera.bench.plan:main",
     "moe": "tessera.bench.moe:main",
+    "rlhf-generate": "tessera.bench.rlhf_generate:main",
 }
 
 # name -> what it measures, how long it takes on 2 CPU cores, what it needs
@@ -113,6 +114,8 @@ BENCH_HELP: dict[str, str] = {
     "moe": "the MoE GPT (tiny-moe) under expert parallelism (ep1 and ep2 on 2 ranks, ep2 on 4) vs a dense GPT of "
     "the same active parameters and DeepSpeed-MoE: step time, tokens/s, parameters, losses (about 2 min); the "
     "DeepSpeed rows need the bench extra",
+    "rlhf-generate": "RLHF rollouts with the paged KV cache vs the full forward per token on the same training GPT "
+    "(tiny, 16+128 tokens, batch 1 and 16): tokens/s, the same greedy tokens, 1 process (about 1 min)",
 }
 
 

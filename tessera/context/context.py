@@ -38,11 +38,33 @@ class ParallelContext:
             rank, world = 0, 1
         if world != dims.world_size:
             raise ValueError(f"layout is for world size {dims.world_size} but the process group has {world} ranks")
+        self._lay_out(dims, rank, dist.get_backend() if dist.is_initialized() else None, device, seed)
+
+    @classmethod
+    def alone(cls, device: torch.device | str | None = None, seed: int = 42) -> ParallelContext:
+        """A context of this process alone: a world of one rank (rank 0), every axis of size 1,
+        every group a single-rank group whose collectives return at once.
+
+        It creates no process group and works whether or not torch.distributed is initialized;
+        it does not become the current context. For work one rank does by itself while a
+        multi-rank job runs, e.g. each data-parallel replica generating for its own prompts
+        (``InferenceEngine(runner, ParallelContext.alone(device))``). Its ranks are of its own
+        world: ``rank`` is 0 whatever this process's rank in the job is.
+        """
+        ctx = cls.__new__(cls)
+        ctx._lay_out(ParallelDims(world_size=1), 0, None, torch.device(device) if device is not None else None, seed)
+        return ctx
+
+    def _lay_out(
+        self, dims: ParallelDims, rank: int, backend: str | None, device: torch.device | None, seed: int
+    ) -> None:
+        """Build the groups of ``dims`` as seen from ``rank`` (collective when ``dims`` spans
+        several ranks) and the RNG streams."""
         self.dims = dims
         self.rank = rank
-        self.world_size = world
+        self.world_size = dims.world_size
         self.device = device or torch.device("cpu")
-        self.backend = dist.get_backend() if dist.is_initialized() else None
+        self.backend = backend
         self.coordinates = dims.coordinates(rank)
         self._groups: dict[AxisSpec, AxisGroup] = {}
         self._created: set[tuple[int, ...]] = set()  # member lists whose process group exists

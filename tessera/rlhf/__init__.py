@@ -7,7 +7,8 @@ task a tiny GPT learns on a CPU, with its rule-based reward), :mod:`~tessera.rlh
 (log-probabilities of tokens, masked reductions), :mod:`~tessera.rlhf.advantages` (per-token
 rewards with a KL penalty, GAE, KL controllers, GRPO's group-relative advantages),
 :mod:`~tessera.rlhf.losses` (SFT, pairwise reward, PPO policy and value, DPO, GRPO) and the
-models with value heads for critics and reward models (:mod:`~tessera.rlhf.models`) and the
+models with value heads for critics and reward models (:mod:`~tessera.rlhf.models`),
+generation with the KV cache from a training model's live weights (:mod:`~tessera.rlhf.rollout`) and the
 trainers over tessera's engine: :mod:`~tessera.rlhf.dpo`.
 """
 
@@ -77,6 +78,14 @@ from tessera.rlhf.models import (
     value_model,
     vocab_parallel_token_logprobs,
 )
+from tessera.rlhf.rollout import (
+    Rollout,
+    RolloutGenerator,
+    generate_without_cache,
+    request_params,
+    rollout_batch,
+    rollout_seeds,
+)
 from tessera.rlhf.sorting import (
     SORTING_STOP,
     SortingFiles,
@@ -94,6 +103,12 @@ from tessera.rlhf.tokens import (
 )
 
 __all__ = [
+    "rollout_seeds",
+    "rollout_batch",
+    "request_params",
+    "generate_without_cache",
+    "RolloutGenerator",
+    "Rollout",
     "LogprobsFn",
     "vocab_parallel_token_logprobs",
     "value_model",

@@ -214,7 +214,7 @@ def instead_of_bench_dp(scratch: Path) -> None:
     args = build_parser().parse_args(["bench", "dp", "--out", "dp.json"])
     assert (args.target, args.out) == ("dp", "dp.json")
     readme_line = next(line for line in (REPO / "README.md").read_text().splitlines() if "tessera bench dp" in line)
-    named = set(re.findall(r"\w+", readme_line))
+    named = set(re.findall(r"[\w-]+", readme_line))
     assert set(BENCH_TARGETS) <= named, f"README's bench line leaves out {sorted(set(BENCH_TARGETS) - named)}"
 
 
