@@ -1,5 +1,6 @@
-"""What benches check of their sides before reporting them: that every rank built a side, and
-that an anchor trains the same model as tessera (its loss trajectory close to tessera's)."""
+"""What benches check of their sides before reporting them: that every rank built a side, that
+an anchor trains the same model as tessera (its loss trajectory close to tessera's), and that
+two generators produce the same greedy tokens."""
 
 from __future__ import annotations
 
@@ -37,3 +38,15 @@ def loss_gaps(losses: dict[str, list[float]], reference: str, first_rtol: float,
             )
         worst[label] = max(diffs)
     return worst
+
+
+def same_tokens(batch: int, tokens: dict[str, list[list[int]]], ours: str, theirs: str) -> None:
+    """Raises unless sides ``ours`` and ``theirs`` generated the same greedy tokens for every
+    prompt of the batch, naming the first difference (their speeds are compared only then)."""
+    for i, (a, b) in enumerate(zip(tokens[ours], tokens[theirs], strict=True)):
+        if a != b:
+            at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            raise RuntimeError(
+                f"batch {batch}, prompt {i}: {ours} and {theirs} generate different greedy tokens from token "
+                f"{at} ({a[at : at + 3]} against {b[at : at + 3]}), so their speeds cannot be compared"
+            )

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tessera.bench.checks import same_tokens
 from tessera.bench.report import Row, print_rows, write_rows
 
 if TYPE_CHECKING:
@@ -93,14 +94,7 @@ def sides_of(model: GPT) -> dict[str, Side]:
 
 def check_tokens(batch: int, tokens: dict[str, list[list[int]]]) -> None:
     """Raises unless both sides' greedy tokens are the same, naming the first difference."""
-    ours, theirs = tokens[TESSERA], tokens[ANCHOR]
-    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-        if a != b:
-            at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            raise RuntimeError(
-                f"batch {batch}, prompt {i}: {TESSERA} and {ANCHOR} generate different greedy tokens from token "
-                f"{at} ({a[at : at + 3]} against {b[at : at + 3]}), so their speeds cannot be compared"
-            )
+    same_tokens(batch, tokens, TESSERA, ANCHOR)
 
 
 def measure(w: Workload, model: GPT, batch: int, sides: dict[str, Side]) -> dict[str, Any]:

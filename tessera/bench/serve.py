@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from tessera.bench.checks import same_tokens
 from tessera.bench.report import Row, print_rows, write_rows
 
 TESSERA = "tessera engine"
@@ -144,14 +145,7 @@ def time_decode(w: Workload, batch: int, sides: dict[str, Callable[[list[list[in
 
 def check_tokens(batch: int, tokens: dict[str, list[list[int]]]) -> None:
     """Raises unless tessera's greedy tokens are HF's, naming the first difference."""
-    ours, theirs = tokens[TESSERA], tokens[HF_GENERATE]
-    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-        if a != b:
-            at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            raise RuntimeError(
-                f"batch {batch}, prompt {i}: {TESSERA} and {HF_GENERATE} generate different greedy tokens from "
-                f"token {at} ({a[at : at + 3]} against {b[at : at + 3]}), so their speeds cannot be compared"
-            )
+    same_tokens(batch, tokens, TESSERA, HF_GENERATE)
 
 
 def decode_rows(w: Workload, batch: int, seconds: dict[str, list[float]]) -> list[Row]:

@@ -91,6 +91,29 @@ def _fit_response(prompt: list[int], response: list[int], max_len: int | None, i
 
 
 # ---- datasets -----------------------------------------------------------------------------------
+class _Encoder:
+    """The tokenizer and truncation rules a dataset applies to each of its examples, and the
+    count of responses they cut."""
+
+    def __init__(
+        self, tokenizer: Any, max_len: int | None, max_prompt_len: int | None, add_eos: bool, pad_id: int | None
+    ) -> None:
+        _check_limit("max_len", max_len, 2)
+        _check_limit("max_prompt_len", max_prompt_len, 1)
+        self.tok = as_text_tokenizer(tokenizer)
+        self.pad_id = default_pad_id(self.tok) if pad_id is None else pad_id
+        self.max_len, self.max_prompt_len, self.add_eos = max_len, max_prompt_len, add_eos
+        self.truncated = 0
+
+    def prompt(self, text: str, index: int) -> list[int]:
+        return _encode_prompt(self.tok, text, self.max_prompt_len, index)
+
+    def response(self, prompt: list[int], text: str, index: int) -> list[int]:
+        ids, cut = _fit_response(prompt, _encode_response(self.tok, text, self.add_eos), self.max_len, index)
+        self.truncated += cut
+        return ids
+
+
 @dataclass(frozen=True)
 class TokenizedSFT:
     """One SFT example as ids (truncated, EOS included when the tokenizer has one)."""
@@ -132,19 +155,15 @@ class SFTDataset(Dataset[TokenizedSFT]):
         add_eos: bool = True,
         pad_id: int | None = None,
     ) -> None:
-        _check_limit("max_len", max_len, 2)
-        _check_limit("max_prompt_len", max_prompt_len, 1)
-        tok = as_text_tokenizer(tokenizer)
-        self.pad_id = default_pad_id(tok) if pad_id is None else pad_id
+        encoder = _Encoder(tokenizer, max_len, max_prompt_len, add_eos, pad_id)
+        self.pad_id = encoder.pad_id
         self.items: list[TokenizedSFT] = []
-        self.truncated = 0
         for index, example in enumerate(examples):
             if isinstance(example, PreferenceExample):
                 raise TypeError(f"example {index} is a PreferenceExample: pass sft_from_preferences(examples)")
-            prompt = _encode_prompt(tok, example.prompt, max_prompt_len, index)
-            response, cut = _fit_response(prompt, _encode_response(tok, example.response, add_eos), max_len, index)
-            self.items.append(TokenizedSFT(prompt, response))
-            self.truncated += cut
+            prompt = encoder.prompt(example.prompt, index)
+            self.items.append(TokenizedSFT(prompt, encoder.response(prompt, example.response, index)))
+        self.truncated = encoder.truncated
 
     def __len__(self) -> int:
         return len(self.items)
@@ -175,20 +194,14 @@ class PreferenceDataset(Dataset[TokenizedPair]):
         add_eos: bool = True,
         pad_id: int | None = None,
     ) -> None:
-        _check_limit("max_len", max_len, 2)
-        _check_limit("max_prompt_len", max_prompt_len, 1)
-        tok = as_text_tokenizer(tokenizer)
-        self.pad_id = default_pad_id(tok) if pad_id is None else pad_id
+        encoder = _Encoder(tokenizer, max_len, max_prompt_len, add_eos, pad_id)
+        self.pad_id = encoder.pad_id
         self.items: list[TokenizedPair] = []
-        self.truncated = 0
         for index, example in enumerate(examples):
-            prompt = _encode_prompt(tok, example.prompt, max_prompt_len, index)
-            chosen, cut_chosen = _fit_response(prompt, _encode_response(tok, example.chosen, add_eos), max_len, index)
-            rejected, cut_rejected = _fit_response(
-                prompt, _encode_response(tok, example.rejected, add_eos), max_len, index
-            )
-            self.items.append(TokenizedPair(prompt, chosen, rejected))
-            self.truncated += cut_chosen + cut_rejected
+            prompt = encoder.prompt(example.prompt, index)
+            chosen = encoder.response(prompt, example.chosen, index)
+            self.items.append(TokenizedPair(prompt, chosen, encoder.response(prompt, example.rejected, index)))
+        self.truncated = encoder.truncated
 
     def __len__(self) -> int:
         return len(self.items)
@@ -219,11 +232,10 @@ class PromptDataset(Dataset[list[int]]):
         max_prompt_len: int | None = None,
         pad_id: int | None = None,
     ) -> None:
-        _check_limit("max_prompt_len", max_prompt_len, 1)
-        tok = as_text_tokenizer(tokenizer)
-        self.pad_id = default_pad_id(tok) if pad_id is None else pad_id
+        encoder = _Encoder(tokenizer, None, max_prompt_len, False, pad_id)
+        self.pad_id = encoder.pad_id
         self.prompts = [example.prompt for example in examples]
-        self.items = [_encode_prompt(tok, text, max_prompt_len, index) for index, text in enumerate(self.prompts)]
+        self.items = [encoder.prompt(text, index) for index, text in enumerate(self.prompts)]
 
     def __len__(self) -> int:
         return len(self.items)

@@ -52,7 +52,14 @@ from tessera.hf.apply import is_hf_model, prepare
 from tessera.models.gpt import GPT, gpt
 from tessera.parallel.tensor.common import class_parallel_cross_entropy, local_range
 from tessera.parallel.tensor.tp1d.layers import VocabParallelClassifier1D
-from tessera.rlhf.tokens import LogprobsFn, check_per_sequence, check_right_padded, shape_of, token_logprobs
+from tessera.rlhf.tokens import (
+    LogprobsFn,
+    check_logits_and_tokens,
+    check_per_sequence,
+    check_right_padded,
+    shape_of,
+    token_logprobs,
+)
 
 __all__ = [
     "GPTValueModel",
@@ -307,13 +314,7 @@ def vocab_parallel_token_logprobs(
     float32 softmax of this rank's block for the backward (not the blocked log-sum-exp of
     ``token_logprobs``)."""
     where = "vocab_parallel_token_logprobs"
-    if logits.dim() != 3:
-        raise ValueError(f"{where}: logits must be [B, T, V/P] (3-D), got shape {shape_of(logits)}")
-    if tokens.shape != logits.shape[:2]:
-        raise ValueError(
-            f"{where}: tokens has shape {shape_of(tokens)} but logits has shape {shape_of(logits)}; "
-            "tokens must be [B, T] with the logits' B and T"
-        )
+    check_logits_and_tokens(where, logits, tokens, vocab="V/P")
     if group.size == 1:
         return token_logprobs(logits[..., :vocab_size], tokens)
     local = round_up(vocab_size, group.size) // group.size

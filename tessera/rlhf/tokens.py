@@ -60,6 +60,17 @@ def check_per_sequence(where: str, name: str, x: torch.Tensor, batch: int) -> No
         raise ValueError(f"{where}: {name} must be [B] = ({batch},), one value per sequence, got shape {shape_of(x)}")
 
 
+def check_logits_and_tokens(where: str, logits: torch.Tensor, tokens: torch.Tensor, vocab: str = "V") -> None:
+    """``logits`` is ``[B, T, vocab]`` and ``tokens`` is ``[B, T]`` with its B and T."""
+    if logits.dim() != 3:
+        raise ValueError(f"{where}: logits must be [B, T, {vocab}] (3-D), got shape {shape_of(logits)}")
+    if tokens.shape != logits.shape[:2]:
+        raise ValueError(
+            f"{where}: tokens has shape {shape_of(tokens)} but logits has shape {shape_of(logits)}; "
+            "tokens must be [B, T] with the logits' B and T"
+        )
+
+
 def bool_mask(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask != 0
 
@@ -143,13 +154,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     ``prompt + response`` that is ``logits[:, P - 1 : -1]`` against ``input_ids[:, P:]``.
     Every token must lie in ``[0, V)``: put any valid id (0) in padded slots.
     """
-    if logits.dim() != 3:
-        raise ValueError(f"token_logprobs: logits must be [B, T, V] (3-D), got shape {shape_of(logits)}")
-    if tokens.shape != logits.shape[:2]:
-        raise ValueError(
-            f"token_logprobs: tokens has shape {shape_of(tokens)} but logits has shape {shape_of(logits)}; "
-            "tokens must be [B, T] with the logits' B and T"
-        )
+    check_logits_and_tokens("token_logprobs", logits, tokens)
     if tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
         raise ValueError(f"token_logprobs: tokens must be an integer tensor of token ids, got {tokens.dtype}")
     vocab = logits.shape[-1]

@@ -110,10 +110,6 @@ class ZeroOptimizer(WrapsOptimizer):
             groups=shard_groups,
         )
         self._chunk_bin = {c.index: group_of[c.slots[0].index] for c in self.store.chunks}
-        # what each chunk's reduce-scatter divides its sum by besides its group's size (experts)
-        self._divide = {
-            c.index: ctx.replicas.size // c.group.size if experts[c.slots[0].index] else 1 for c in self.store.chunks
-        }
         self._pieces: list[list[tuple[nn.Parameter, int, int]]] = []  # per chunk: (piece, start, end)
         self._install_pieces(entries, [self._make_master(c) for c in self.store.chunks])
         if options.offload == "cpu" and type(optimizer) is torch.optim.AdamW:
@@ -274,9 +270,10 @@ class ZeroOptimizer(WrapsOptimizer):
             chunk.release()
 
     def _reduce_scatter(self, out: torch.Tensor, bucket: torch.Tensor, chunk: Chunk) -> Pending:
-        """Start the average of ``chunk``'s gradients (``bucket``) over the replicas; this rank's
-        shard of it arrives in ``out``."""
-        divide = self._divide[chunk.index]
+        """Start the average of ``chunk``'s gradients (``bucket``) over all the replicas; this
+        rank's shard of it arrives in ``out``. An expert chunk's group holds a part of them (the
+        other expert ranks hold other experts): its sum is divided by all of them."""
+        divide = self.ctx.replicas.size // chunk.group.size
         return comm.reduce_scatter_into(out, bucket, chunk.group, op="avg", async_op=True, divide_by=divide)
 
     def _drain(self, keep: int = 0) -> None:
