@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 
+from tessera.rlhf import steps
 from tessera.rlhf.batches import SequenceBatch, split_pairs
 from tessera.rlhf.losses import DPO_LOSS_TYPES, dpo_loss
 from tessera.rlhf.models import token_logprobs_fn
@@ -124,50 +125,15 @@ class DPOTrainer:
         }
         return losses.mean(), stats
 
+    def _engine_losses(self, engine: Any, batch: SequenceBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.losses(logits_of(engine(batch["input_ids"])), batch)
+
     def train_step(self, micro_batches: Iterable[SequenceBatch]) -> dict[str, float]:
         """One optimizer step over the engine's accumulation of ``micro_batches`` (this rank's
         pairs); the loss and statistics averaged over the micro-batches and the data ranks."""
-        engine = self.policy
-        engine.train()
-        totals: dict[str, float] = {}
-        count = 0
-        for batch in micro_batches:
-            engine.zero_grad()
-            batch = _to(batch, engine.ctx.device)
-            loss, stats = self.losses(logits_of(engine(batch["input_ids"])), batch)
-            engine.backward(loss)
-            engine.step()
-            for key, value in {"loss": loss.detach(), **stats}.items():
-                totals[key] = totals.get(key, 0.0) + float(value)
-            count += 1
-        if count != engine.micro_batches_per_step:
-            raise ValueError(
-                f"train_step got {count} micro-batches; the engine accumulates {engine.micro_batches_per_step}"
-            )
-        return {key: engine.mean_over_data(value / count) for key, value in totals.items()}
+        return steps.train_step(self.policy, micro_batches, self._engine_losses)
 
-    @torch.no_grad()
     def evaluate(self, batches: Iterable[SequenceBatch]) -> dict[str, float]:
         """The loss and statistics over ``batches`` (held-out pairs), averaged over them and the
         data ranks, in eval mode."""
-        engine = self.policy
-        engine.eval()
-        totals: dict[str, float] = {}
-        count = 0
-        try:
-            for batch in batches:
-                batch = _to(batch, engine.ctx.device)
-                loss, stats = self.losses(logits_of(engine(batch["input_ids"])), batch)
-                for key, value in {"loss": loss, **stats}.items():
-                    totals[key] = totals.get(key, 0.0) + float(value)
-                count += 1
-        finally:
-            engine.train()
-        if count == 0:
-            raise ValueError("evaluate got no batch")
-        return {key: engine.mean_over_data(value / count) for key, value in totals.items()}
-
-
-def _to(batch: SequenceBatch, device: torch.device) -> SequenceBatch:
-    tensors: dict[str, torch.Tensor] = dict(batch)  # type: ignore[arg-type]
-    return cast(SequenceBatch, {key: value.to(device) for key, value in tensors.items()})
+        return steps.evaluate(self.policy, batches, self._engine_losses)
