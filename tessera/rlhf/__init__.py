@@ -9,7 +9,9 @@ rewards with a KL penalty, GAE, KL controllers, GRPO's group-relative advantages
 :mod:`~tessera.rlhf.losses` (SFT, pairwise reward, PPO policy and value, DPO, GRPO) and the
 models with value heads for critics and reward models (:mod:`~tessera.rlhf.models`),
 generation with the KV cache from a training model's live weights (:mod:`~tessera.rlhf.rollout`) and the
-trainers over tessera's engine: :mod:`~tessera.rlhf.dpo`.
+trainers over tessera's engine: :mod:`~tessera.rlhf.dpo`, :mod:`~tessera.rlhf.ppo` and
+:mod:`~tessera.rlhf.grpo`, whose models may each have a layout of their own
+(:mod:`~tessera.rlhf.experience`).
 """
 
 from tessera.rlhf.advantages import (
@@ -58,6 +60,16 @@ from tessera.rlhf.dpo import (
     logits_of,
     response_logprobs,
 )
+from tessera.rlhf.experience import (
+    Experience,
+    Frozen,
+    Job,
+    RewardFn,
+    response_index,
+    text_reward,
+    to_responses,
+)
+from tessera.rlhf.grpo import GRPOOptions, GRPOTrainer
 from tessera.rlhf.losses import (
     DPO_LOSS_TYPES,
     GRPO_LOSS_TYPES,
@@ -78,6 +90,7 @@ from tessera.rlhf.models import (
     value_model,
     vocab_parallel_token_logprobs,
 )
+from tessera.rlhf.ppo import PPOOptions, PPOTrainer
 from tessera.rlhf.rollout import (
     Rollout,
     RolloutGenerator,
@@ -103,6 +116,17 @@ from tessera.rlhf.tokens import (
 )
 
 __all__ = [
+    "Experience",
+    "Frozen",
+    "Job",
+    "RewardFn",
+    "response_index",
+    "text_reward",
+    "to_responses",
+    "GRPOOptions",
+    "GRPOTrainer",
+    "PPOOptions",
+    "PPOTrainer",
     "rollout_seeds",
     "rollout_batch",
     "request_params",

@@ -92,10 +92,12 @@ def rollout_seeds(seed: int, stream: int, count: int) -> list[int]:
 
 
 def request_params(
-    params: SamplingParams, count: int, *, seed: int | None = None, stream: int = 0
+    params: SamplingParams, count: int, *, seed: int | None = None, stream: int = 0, offset: int = 0
 ) -> list[SamplingParams]:
     """``params`` for each of ``count`` requests, each sampled request with its own seed
-    (:func:`rollout_seeds` of ``seed``, else ``params.seed``, else a fresh random base).
+    (:func:`rollout_seeds` of ``seed``, else ``params.seed``, else a fresh random base); the
+    requests are numbered from ``offset`` (a share of a larger batch draws the seeds its rows
+    would have drawn in the whole batch).
     Greedy requests need no seed and are returned as they are. Stop strings act on text, which
     rollouts do not decode: they are refused (give ``stop_token_ids``)."""
     if params.stop:
@@ -108,7 +110,7 @@ def request_params(
     base = seed if seed is not None else params.seed
     if base is None:
         base = secrets.randbits(63)
-    return [replace(params, seed=s) for s in rollout_seeds(base, stream, count)]
+    return [replace(params, seed=s) for s in rollout_seeds(base, stream, offset + count)[offset:]]
 
 
 def rollout_batch(rollouts: Sequence[Rollout], pad_id: int) -> SequenceBatch:
@@ -309,11 +311,18 @@ class RolloutGenerator:
         return CacheOptions(max(needed, 1), self.block_size, self.max_batch, self.max_prefill_tokens)
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], *, seed: int | None = None, params: SamplingParams | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        seed: int | None = None,
+        params: SamplingParams | None = None,
+        offset: int = 0,
     ) -> list[Rollout]:
         """A :class:`Rollout` for each prompt (lists of ids), in order. ``seed``: the call's base
-        seed (module docstring); ``params`` replaces the generator's for this call."""
-        each = request_params(params or self.params, len(prompts), seed=seed, stream=self.stream)
+        seed (module docstring); ``params`` replaces the generator's for this call; ``offset``:
+        the number of the first prompt in a larger batch this call is a share of (its requests
+        draw the seeds of those rows)."""
+        each = request_params(params or self.params, len(prompts), seed=seed, stream=self.stream, offset=offset)
         if not prompts:
             return []
         with generation_mode(self.model), _attention_kept(self.model):
