@@ -13,6 +13,11 @@ weights on both sides; prompts of ``prompt`` random tokens, ``new_tokens`` sampl
   sampling with the unfinished sequences through the model's ``forward`` as one right-padded
   batch for every new token (what generating without a cache costs).
 
+Inside PPO (``ppo_rows``): a :class:`~tessera.rlhf.ppo.PPOTrainer` of the same actor (a critic
+of the same size, a frozen reference, a rule reward) takes whole PPO steps (rollout, experience,
+update) at batch ``ppo_batch``, its rollouts made by either side in turn; the rows give the
+rollout phase's tokens per second and whole PPO steps per second.
+
 Before timing, both sides generate greedily from the same prompts and must give the same tokens,
 or the run fails (a side that computes something else has no speed to compare). Then, after a
 warm-up each, they alternate ``repeats`` timed runs (ABAB, then BABA) on ``threads`` intra-op
@@ -57,6 +62,7 @@ class Workload:
     repeats: int = 5
     threads: int = 1
     overrides: dict[str, Any] = field(default_factory=dict)
+    ppo_batch: int = 16
 
     @property
     def tag(self) -> str:
@@ -147,9 +153,90 @@ def run(w: Workload | None = None, report: dict[str, dict[str, Any]] | None = No
     return rows
 
 
+class _Uncached:
+    """The anchor in a PPO trainer's place of its generator: the same ``generate`` call answered by
+    :func:`~tessera.rlhf.rollout.generate_without_cache`."""
+
+    def __init__(self, model: torch.nn.Module, params: Any) -> None:
+        self.model, self.params = model, params
+
+    def generate(self, prompts: Any, *, seed: int | None = None, params: Any = None, offset: int = 0) -> Any:
+        from tessera.rlhf.rollout import generate_without_cache
+
+        return generate_without_cache(self.model, prompts, params or self.params, seed=seed, offset=offset)
+
+
+def ppo_rows(w: Workload, report: dict[str, dict[str, Any]] | None = None) -> list[Row]:
+    """Whole PPO steps with the KV-cache generator against the full forward per token in its
+    place: the rollout phase's tokens/s and PPO steps/s, each side's median over ``repeats``."""
+    import tessera
+    from tessera.inference.params import SamplingParams
+    from tessera.rlhf import Frozen, PPOOptions, PPOTrainer, value_model
+    from tessera.testing import use_layout
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(w.threads)
+    try:
+        use_layout(config={})
+        actor = build_model(w)
+        engines = []
+        for model in (actor, value_model(build_model(w))):
+            engine, _, _, _ = tessera.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-5))
+            engines.append(engine)
+        params = SamplingParams(max_tokens=w.new_tokens, temperature=w.temperature)
+        trainer = PPOTrainer(
+            engines[0], engines[1], Frozen(build_model(w)), _even_tokens, params, PPOOptions(kl_coef=0.05)
+        )
+        sides: dict[str, Any] = {TESSERA: trainer.generator, ANCHOR: _Uncached(engines[0].module, params)}
+        prompts = prompts_of(w, actor, w.ppo_batch)
+        rollout_s: dict[str, list[float]] = {name: [] for name in sides}
+        step_s: dict[str, list[float]] = {name: [] for name in sides}
+        names = list(sides)
+        for repeat in range(w.repeats + 1):  # the first round warms up
+            for name in names if repeat % 2 == 0 else names[::-1]:
+                trainer.generator = sides[name]
+                start = time.perf_counter()
+                responses = trainer.rollout(prompts, seed=repeat)
+                generated = time.perf_counter()
+                trainer.train(trainer.experience(prompts, responses))
+                if repeat:
+                    rollout_s[name].append(generated - start)
+                    step_s[name].append(time.perf_counter() - start)
+                if sum(map(len, responses)) != w.ppo_batch * w.new_tokens:
+                    raise RuntimeError(f"{name} made {sum(map(len, responses))} tokens in a PPO rollout")
+    finally:
+        torch.set_num_threads(threads)
+    made = w.ppo_batch * w.new_tokens
+    tag = f"rlhf-generate {w.tag} ppo b{w.ppo_batch}"
+    rows = [
+        Row(
+            f"{tag} rollout",
+            "tokens_per_s",
+            made / statistics.median(rollout_s[TESSERA]),
+            ANCHOR,
+            made / statistics.median(rollout_s[ANCHOR]),
+        ),
+        Row(
+            f"{tag} step",
+            "steps_per_s",
+            1 / statistics.median(step_s[TESSERA]),
+            ANCHOR,
+            1 / statistics.median(step_s[ANCHOR]),
+        ),
+    ]
+    if report is not None:
+        report[tag] = {"rollout_seconds": rollout_s, "step_seconds": step_s}
+    return rows
+
+
+def _even_tokens(prompt: Any, response: Any) -> float:
+    """A rule reward for the bench: the share of even token ids in the response."""
+    return sum(1 for t in response if t % 2 == 0) / max(len(response), 1)
+
+
 def main(args: argparse.Namespace) -> int:
     w = Workload()
-    rows = run(w)
+    rows = run(w) + ppo_rows(w)
     print_rows(rows)
     print(
         f"{w.repeats} alternating runs per side of {w.new_tokens} tokens sampled at temperature {w.temperature} after "
@@ -160,4 +247,4 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["ANCHOR", "TESSERA", "Workload", "check_tokens", "main", "measure", "rows_of", "run"]
+__all__ = ["ANCHOR", "TESSERA", "Workload", "check_tokens", "main", "measure", "ppo_rows", "rows_of", "run"]

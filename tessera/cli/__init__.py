@@ -115,7 +115,8 @@ BENCH_HELP: dict[str, str] = {
     "the same active parameters and DeepSpeed-MoE: step time, tokens/s, parameters, losses (about 2 min); the "
     "DeepSpeed rows need the bench extra",
     "rlhf-generate": "RLHF rollouts with the paged KV cache vs the full forward per token on the same training GPT "
-    "(tiny, 16+128 tokens, batch 1 and 16): tokens/s, the same greedy tokens, 1 process (about 1 min)",
+    "(tiny, 16+128 tokens, batch 1 and 16), and inside whole PPO steps at batch 16: tokens/s, PPO steps/s, the same "
+    "greedy tokens, 1 process (about 1 min)",
 }
 
 

@@ -369,15 +369,16 @@ def generate_without_cache(
     *,
     seed: int | None = None,
     stream: int = 0,
+    offset: int = 0,
 ) -> list[Rollout]:
     """What :meth:`RolloutGenerator.generate` gives, without a KV cache: every step runs the
     whole sequences (prompt and tokens so far) of the unfinished requests through ``model``, one
     right-padded batch, and samples each request's next token from its last logits. The same
-    per-request seeds (``seed``, ``stream``), sampling and stopping rules (a stop token ends a
+    per-request seeds (``seed``, ``stream``, ``offset``), sampling and stopping rules (a stop token ends a
     request and is kept; ``max_tokens`` or the model's length ends it with ``"length"``). The
     reference of the tests and the baseline of ``tessera bench rlhf-generate``."""
     model = _unwrapped(model)
-    each = request_params(params, len(prompts), seed=seed, stream=stream)
+    each = request_params(params, len(prompts), seed=seed, stream=stream, offset=offset)
     max_len, device = _max_len(model), _device_of(model)
     for i, prompt in enumerate(prompts):
         if not prompt or len(prompt) >= max_len:

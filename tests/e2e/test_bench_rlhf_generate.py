@@ -46,3 +46,19 @@ def test_bench_rlhf_generate_is_a_bench_target():
     assert BENCH_TARGETS["rlhf-generate"] == "tessera.bench.rlhf_generate:main"
     rows = bench.rows_of(TINY, 3, {bench.TESSERA: [0.1, 0.3, 0.2], bench.ANCHOR: [1.0, 2.0, 3.0]})
     assert rows == [Row("rlhf-generate gpt-tiny 4+6 b3", "tokens_per_s", 18 / 0.2, bench.ANCHOR, 18 / 2.0)]
+
+
+def test_bench_rlhf_generate_inside_ppo_rows(tmp_path):
+    report: dict = {}
+    w = bench.Workload(
+        prompt=4, new_tokens=6, repeats=2, ppo_batch=4, overrides=dict(d_model=32, n_layers=2, n_heads=4)
+    )
+    data = check(bench.ppo_rows(w, report), tmp_path, {"tokens_per_s", "steps_per_s"})
+    tag = "rlhf-generate gpt-tiny 4+6 ppo b4"
+    assert [row["name"] for row in data] == [f"{tag} rollout", f"{tag} step"]
+    result = report[tag]
+    for name in (bench.TESSERA, bench.ANCHOR):
+        assert len(result["rollout_seconds"][name]) == len(result["step_seconds"][name]) == 2
+        assert all(r < s for r, s in zip(result["rollout_seconds"][name], result["step_seconds"][name]))
+    assert data[0]["value"] == pytest.approx(4 * 6 / statistics.median(result["rollout_seconds"][bench.TESSERA]))
+    assert data[1]["anchor_value"] == pytest.approx(1 / statistics.median(result["step_seconds"][bench.ANCHOR]))
