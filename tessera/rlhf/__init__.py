@@ -9,7 +9,8 @@ rewards with a KL penalty, GAE, KL controllers, GRPO's group-relative advantages
 :mod:`~tessera.rlhf.losses` (SFT, pairwise reward, PPO policy and value, DPO, GRPO) and the
 models with value heads for critics and reward models (:mod:`~tessera.rlhf.models`),
 generation with the KV cache from a training model's live weights (:mod:`~tessera.rlhf.rollout`) and the
-trainers over tessera's engine: :mod:`~tessera.rlhf.dpo`, :mod:`~tessera.rlhf.ppo` and
+trainers over tessera's engine: :mod:`~tessera.rlhf.sft`, :mod:`~tessera.rlhf.reward`,
+:mod:`~tessera.rlhf.dpo`, :mod:`~tessera.rlhf.ppo` and
 :mod:`~tessera.rlhf.grpo`, whose models may each have a layout of their own
 (:mod:`~tessera.rlhf.experience`).
 """
@@ -91,6 +92,7 @@ from tessera.rlhf.models import (
     vocab_parallel_token_logprobs,
 )
 from tessera.rlhf.ppo import PPOOptions, PPOTrainer
+from tessera.rlhf.reward import RewardOptions, RewardTrainer, reward_scores
 from tessera.rlhf.rollout import (
     Rollout,
     RolloutGenerator,
@@ -99,6 +101,7 @@ from tessera.rlhf.rollout import (
     rollout_batch,
     rollout_seeds,
 )
+from tessera.rlhf.sft import SFTTrainer
 from tessera.rlhf.sorting import (
     SORTING_STOP,
     SortingFiles,
@@ -116,6 +119,10 @@ from tessera.rlhf.tokens import (
 )
 
 __all__ = [
+    "RewardOptions",
+    "RewardTrainer",
+    "reward_scores",
+    "SFTTrainer",
     "Experience",
     "Frozen",
     "Job",
