@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -18,11 +21,89 @@ def _axis_name(axis: AxisSpec) -> str:
     return axis if isinstance(axis, str) else "+".join(axis)
 
 
+def _job_world() -> int:
+    """Ranks in the job: torch.distributed's world, or this process alone."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _job_rank() -> int:
+    """This process's rank in the job."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _built_axes(dims: ParallelDims, extra: Sequence[AxisSpec] = ()) -> list[AxisSpec]:
+    """The axes whose groups a context builds at once, in the order it builds them."""
+    axes: list[AxisSpec] = [*dims.axes, "world"]
+    if dims.sequence > 1:  # the replicas of every parameter: data x sequence
+        axes.append(REPLICA_AXES)
+        if dims.expert > 1:  # and of an expert's
+            axes.append(EXPERT_REPLICA_AXES)
+    return axes + [a if isinstance(a, str) else tuple(a) for a in extra]
+
+
+def _job_table(dims: ParallelDims, job_ranks: tuple[int, ...], axis: AxisSpec) -> list[tuple[int, ...]]:
+    """The groups along ``axis`` as job ranks: the context's rank ``i`` is job rank ``job_ranks[i]``."""
+    return [tuple(job_ranks[i] for i in members) for members in group_table(dims, axis)]
+
+
+def _process_group(members: tuple[int, ...]) -> dist.ProcessGroup | None:
+    """A new process group over the job ranks ``members`` (the job's own when they are all of it).
+    Collective over the whole job: torch makes every rank take part, members or not."""
+    if len(members) == _job_world():
+        return dist.group.WORLD
+    return dist.new_group(list(members))
+
+
+def _side_process_group(job_ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
+    """A gloo process group over ``job_ranks`` of its own (collective over the whole job)."""
+    return dist.new_group(list(job_ranks), backend="gloo") if len(job_ranks) > 1 else None
+
+
+def _check_ranks(ranks: Sequence[int], dims: ParallelDims) -> tuple[int, ...]:
+    """``ranks`` as a tuple of job ranks, after the checks :meth:`ParallelContext.on_ranks` makes."""
+    try:
+        chosen = tuple(operator.index(r) for r in ranks)  # ints, numpy's included
+    except TypeError:
+        raise ValueError(f"on_ranks: ranks must be integers, got {list(ranks)}") from None
+    repeated = sorted({r for r in chosen if chosen.count(r) > 1})
+    if repeated:
+        raise ValueError(f"on_ranks: rank(s) {repeated} appear more than once in {list(chosen)}")
+    if len(chosen) != dims.world_size:
+        raise ValueError(
+            f"on_ranks: {len(chosen)} rank(s) {list(chosen)} given for a layout of world size {dims.world_size}"
+        )
+    if len(chosen) > 1 and not dist.is_initialized():
+        raise ValueError(
+            f"on_ranks: a context over {len(chosen)} ranks needs torch.distributed initialized "
+            "(tessera.launch...); without it the job is this process alone"
+        )
+    world = _job_world()
+    outside = [r for r in chosen if not 0 <= r < world]
+    if outside:
+        raise ValueError(f"on_ranks: rank(s) {outside} are outside the job's {world} rank(s) 0..{world - 1}")
+    if list(chosen) != sorted(chosen):
+        raise ValueError(
+            f"on_ranks: give the ranks in ascending order, got {list(chosen)} "
+            "(the context's rank i is the i-th of them, as torch numbers a group's members)"
+        )
+    return chosen
+
+
 class ParallelContext:
     """Named axes, their process groups, this rank's place in them, and per-axis RNG streams.
 
-    Building a context with more than one rank is collective: every rank of the world must
-    build the same layout at the same point, because it creates the process groups.
+    Building a context with more than one rank is collective: every rank of the job must build
+    the same layout at the same point, because it creates the process groups.
+
+    ``ParallelContext(dims)`` spans the whole job (``dims.world_size`` is torch.distributed's
+    world size). :meth:`on_ranks` builds one over part of the job, so that several models of one
+    job (an RLHF actor and critic) each have a layout of their own on ranks of their own. Inside a
+    context everything is of its own world: ``rank`` (0..``world_size``-1) is this process's index
+    among the context's ranks, and coordinates, RNG streams, ``is_first`` and checkpoint files
+    follow it; the ``world`` axis and :meth:`side_group` span the context's ranks. Group members
+    (``ctx.ranks(axis)``, ``AxisGroup.ranks``) are ranks of the job, as torch.distributed and
+    ``tessera.comm`` take them; :attr:`job_ranks` lists the context's ranks in the job and
+    :attr:`global_rank` is this process's.
     """
 
     def __init__(
@@ -32,13 +113,60 @@ class ParallelContext:
         device: torch.device | None = None,
         seed: int = 42,
     ) -> None:
-        if dist.is_initialized():
-            rank, world = dist.get_rank(), dist.get_world_size()
-        else:
-            rank, world = 0, 1
+        world = _job_world()
         if world != dims.world_size:
             raise ValueError(f"layout is for world size {dims.world_size} but the process group has {world} ranks")
-        self._lay_out(dims, rank, dist.get_backend() if dist.is_initialized() else None, device, seed)
+        backend = dist.get_backend() if dist.is_initialized() else None
+        self._lay_out(dims, tuple(range(world)), _job_rank(), backend, device, seed)
+
+    @classmethod
+    def on_ranks(
+        cls,
+        ranks: Sequence[int],
+        dims: ParallelDims,
+        *,
+        device: torch.device | str | None = None,
+        seed: int = 42,
+        groups: Sequence[AxisSpec] = (),
+        side_groups: Sequence[str] = (),
+    ) -> ParallelContext | None:
+        """The context of layout ``dims`` over the job ranks ``ranks`` (ascending, as many as
+        ``dims.world_size``) on the processes among them; None on the others.
+
+        Collective over the whole job: every rank of torch.distributed's world calls it with the
+        same arguments at the same point, members or not, because torch makes every rank take
+        part in creating a process group. For the same reason the groups of a context over part
+        of the job are all made here: the multi-axis groups it will need (``groups``, as for
+        :meth:`new_group`) and its side groups (``side_groups``, as for :meth:`side_group`, e.g.
+        ``"checkpoint"`` for background checkpoint saves) are named now, since the ranks outside
+        it hold no context through which to make them later. Over every rank of the job it is
+        ``ParallelContext(dims)``, whose groups may still be made later.
+
+        Contexts may overlap (a job may hold one over every rank and one over ranks 0 and 1, or
+        one over 0-1 and one over 1-3): each has process groups of its own. Raises ValueError
+        for repeated ranks, ranks outside the job, ranks out of order, a count other than
+        ``dims.world_size``, or several ranks without torch.distributed initialized.
+        """
+        job_ranks = _check_ranks(ranks, dims)
+        me = _job_rank()
+        axes = _built_axes(dims, groups)
+        names = list(dict.fromkeys(side_groups))  # each name once, on members and others alike
+        if me not in job_ranks:  # create the groups with the members, keep none of them
+            created: set[tuple[int, ...]] = set()
+            for axis in axes:
+                for members in _job_table(dims, job_ranks, axis):
+                    if len(members) > 1 and members not in created:
+                        created.add(members)
+                        _process_group(members)
+            for _ in names:
+                _side_process_group(job_ranks)
+            return None
+        ctx = cls.__new__(cls)
+        backend = dist.get_backend() if dist.is_initialized() else None
+        ctx._lay_out(dims, job_ranks, me, backend, torch.device(device) if device is not None else None, seed, groups)
+        for name in names:
+            ctx._side[name] = ctx._make_side_group(name)
+        return ctx
 
     @classmethod
     def alone(cls, device: torch.device | str | None = None, seed: int = 42) -> ParallelContext:
@@ -49,74 +177,107 @@ class ParallelContext:
         it does not become the current context. For work one rank does by itself while a
         multi-rank job runs, e.g. each data-parallel replica generating for its own prompts
         (``InferenceEngine(runner, ParallelContext.alone(device))``). Its ranks are of its own
-        world: ``rank`` is 0 whatever this process's rank in the job is.
+        world: ``rank`` is 0 whatever this process's rank in the job is (its groups' one member,
+        :attr:`global_rank`, is this process's rank in the job).
         """
         ctx = cls.__new__(cls)
-        ctx._lay_out(ParallelDims(world_size=1), 0, None, torch.device(device) if device is not None else None, seed)
+        device = torch.device(device) if device is not None else None
+        ctx._lay_out(ParallelDims(world_size=1), (_job_rank(),), _job_rank(), None, device, seed)
         return ctx
 
     def _lay_out(
-        self, dims: ParallelDims, rank: int, backend: str | None, device: torch.device | None, seed: int
+        self,
+        dims: ParallelDims,
+        job_ranks: tuple[int, ...],
+        me: int,
+        backend: str | None,
+        device: torch.device | None,
+        seed: int,
+        groups: Sequence[AxisSpec] = (),
     ) -> None:
-        """Build the groups of ``dims`` as seen from ``rank`` (collective when ``dims`` spans
-        several ranks) and the RNG streams."""
+        """Build the groups of ``dims`` over the job ranks ``job_ranks`` as seen from job rank
+        ``me`` (collective when ``dims`` spans several ranks) and the RNG streams."""
         self.dims = dims
-        self.rank = rank
+        self.job_ranks = job_ranks
+        self.rank = job_ranks.index(me)
         self.world_size = dims.world_size
         self.device = device or torch.device("cpu")
         self.backend = backend
-        self.coordinates = dims.coordinates(rank)
+        self.coordinates = dims.coordinates(self.rank)
+        self._whole_job = job_ranks == tuple(range(_job_world()))
         self._groups: dict[AxisSpec, AxisGroup] = {}
-        self._created: set[tuple[int, ...]] = set()  # member lists whose process group exists
+        self._created: set[tuple[int, ...]] = set()  # member lists (job ranks) whose process group exists
         self._side: dict[str, AxisGroup] = {}  # side_group()
-        for axis in (*dims.axes, "world"):
+        for axis in _built_axes(dims, groups):
             self._groups[axis] = self._build(axis)
-        if dims.sequence > 1:  # the replicas of every parameter: data x sequence
-            self._groups[REPLICA_AXES] = self._build(REPLICA_AXES)
-            if dims.expert > 1:  # and of an expert's
-                self._groups[EXPERT_REPLICA_AXES] = self._build(EXPERT_REPLICA_AXES)
-        self.rng = RNGStreams(seed, dims, rank, self.device)
+        self.rng = RNGStreams(seed, dims, self.rank, self.device)
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the job (torch.distributed's rank); :attr:`rank` is its rank in
+        the context."""
+        return self.job_ranks[self.rank]
 
     # ---- groups ---------------------------------------------------------------------------
     def _build(self, axis: AxisSpec) -> AxisGroup:
         """Create every group along ``axis`` (collectively) and keep the one holding this rank."""
-        mine: tuple[int, ...] = (self.rank,)
+        me = self.global_rank
+        mine: tuple[int, ...] = (me,)
         pg: dist.ProcessGroup | None = None
-        for members in group_table(self.dims, axis):
+        for members in _job_table(self.dims, self.job_ranks, axis):
             if len(members) > 1 and members not in self._created:
                 self._created.add(members)  # every rank creates every group, in the same order
-                made = dist.group.WORLD if len(members) == self.world_size else dist.new_group(list(members))
-                if self.rank in members:
+                made = _process_group(members)
+                if me in members:
                     pg = made
-            elif len(members) > 1 and self.rank in members:
+            elif len(members) > 1 and me in members:
                 # made for an earlier axis; only AxisGroups hold process groups (shutdown lets them go)
                 pg = next(g.pg for g in self._groups.values() if g.ranks == members)
-            if self.rank in members:
+            if me in members:
                 mine = members
-        return AxisGroup(name=_axis_name(axis), ranks=mine, rank=mine.index(self.rank), pg=pg)
+        return AxisGroup(name=_axis_name(axis), ranks=mine, rank=mine.index(me), pg=pg)
+
+    def _part_of_job(self, what: str, option: str) -> RuntimeError:
+        return RuntimeError(
+            f"{what}: this context spans part of the job (ranks {list(self.job_ranks)}), and a new process "
+            "group needs every rank of the job, but the ranks outside it hold no context to make it with; "
+            f"name it when the context is built: ParallelContext.on_ranks(..., {option})"
+        )
 
     def new_group(self, axes: AxisSpec) -> AxisGroup:
         """The group varying over several axes at once, e.g. ``("data", "sequence")``.
 
-        Collective: every rank must call it with the same axes in the same order.
+        Collective: every rank must call it with the same axes in the same order. A context over
+        part of the job makes no process group after it is built: its groups that need new ones
+        are named in :meth:`on_ranks` (``groups=``).
         """
         key = axes if isinstance(axes, str) else tuple(axes)
         if key not in self._groups:
+            if not self._whole_job and any(
+                len(m) > 1 and m not in self._created for m in _job_table(self.dims, self.job_ranks, key)
+            ):
+                raise self._part_of_job(f"ctx.new_group({key!r})", f"groups=[{key!r}]")
             self._groups[key] = self._build(key)
         return self._groups[key]
 
     def side_group(self, name: str) -> AxisGroup:
-        """A second process group over every rank, named ``name``, for collectives issued off the
-        training thread (a background checkpoint writer): they never interleave with the
-        training's, which would hang or mix up both. gloo (CPU tensors) whatever the backend.
+        """A second process group over every rank of the context, named ``name``, for
+        collectives issued off the training thread (a background checkpoint writer): they never
+        interleave with the training's, which would hang or mix up both. gloo (CPU tensors)
+        whatever the backend.
 
-        Collective the first time a name is asked for: every rank must ask at the same point.
+        Collective the first time a name is asked for: every rank must ask at the same point. A
+        context over part of the job has the side groups named in :meth:`on_ranks`
+        (``side_groups=``) and no others.
         """
         if name not in self._side:
-            ranks = tuple(range(self.world_size))
-            pg = dist.new_group(list(ranks), backend="gloo") if self.world_size > 1 else None
-            self._side[name] = AxisGroup(name=name, ranks=ranks, rank=self.rank, pg=pg)
+            if not self._whole_job and self.world_size > 1:
+                raise self._part_of_job(f"ctx.side_group({name!r})", f"side_groups=[{name!r}]")
+            self._side[name] = self._make_side_group(name)
         return self._side[name]
+
+    def _make_side_group(self, name: str) -> AxisGroup:
+        return AxisGroup(name=name, ranks=self.job_ranks, rank=self.rank, pg=_side_process_group(self.job_ranks))
 
     def group(self, axis: AxisSpec) -> AxisGroup:
         """This rank's group along ``axis``; pass it to any ``tessera.comm`` function.
@@ -155,7 +316,7 @@ class ParallelContext:
         return self.group(axis).rank
 
     def ranks(self, axis: AxisSpec) -> list[int]:
-        """Global ranks of this rank's group along ``axis``."""
+        """Ranks in the job (torch.distributed's) of this rank's group along ``axis``."""
         return list(self.group(axis).ranks)
 
     def is_first(self, axis: AxisSpec) -> bool:
@@ -173,7 +334,8 @@ class ParallelContext:
             a for a in self.axes if self.size(a) > 1 and (self.dims.expert > 1 or a not in ("expert", "expert_data"))
         ]
         sizes = ", ".join(f"{a}={self.size(a)}" for a in shown) or "single rank"
-        return f"ParallelContext(rank={self.rank}/{self.world_size}, {sizes}, mode={self.dims.tensor_mode})"
+        where = "" if self._whole_job else f" on job ranks {list(self.job_ranks)}"
+        return f"ParallelContext(rank={self.rank}/{self.world_size}{where}, {sizes}, mode={self.dims.tensor_mode})"
 
 
 _current: ParallelContext | None = None
