@@ -29,7 +29,6 @@ response token, and :func:`to_responses` gathers per-label tensors into that lay
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -82,23 +81,35 @@ def text_reward(rule: Callable[[str, str], float], tokenizer: Decoder) -> Reward
     return score
 
 
-@dataclass
 class Frozen:
-    """A model the job only reads (the reference, a reward model): ``module`` runs in eval mode
-    without gradients; ``ctx`` is the context it was built under (None: this rank alone, which
-    then computes every row itself). Its data ranks split the rows between them."""
+    """A model the job only reads (the reference, a reward model), without gradients and in eval
+    mode. ``model`` is a module of this rank alone (``ctx`` None: this rank then computes every
+    row itself, unless ``ctx`` says how the module is spread), or an engine
+    (``tessera.initialize``'s, any layout: ZeRO-3's pieces and tensor-parallel blocks are run
+    through its forward; its optimizer never steps), whose context it takes. Its data ranks
+    split the rows between them."""
 
-    module: nn.Module
-    ctx: ParallelContext | None = None
+    def __init__(self, model: Any, ctx: ParallelContext | None = None) -> None:
+        self.model = model
+        if isinstance(model, nn.Module):
+            model.eval().requires_grad_(False)
+            if ctx is None:
+                device = next((p.device for p in model.parameters()), torch.device("cpu"))
+                ctx = ParallelContext.alone(device)
+        elif hasattr(model, "module") and hasattr(model, "ctx"):  # an engine
+            model.eval()
+            ctx = ctx if ctx is not None else model.ctx
+        else:
+            raise TypeError(f"Frozen takes a torch module or a tessera engine, got {type(model).__name__}")
+        self.ctx: ParallelContext = ctx
 
-    def __post_init__(self) -> None:
-        self.module.eval().requires_grad_(False)
-        if self.ctx is None:
-            device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
-            self.ctx = ParallelContext.alone(device)
+    @property
+    def module(self) -> nn.Module:
+        """The user's model (an engine's ``module``)."""
+        return self.model if isinstance(self.model, nn.Module) else self.model.module
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        return self.model(*args, **kwargs)
 
 
 def row_share(rows: int, ctx: ParallelContext, what: str) -> slice:
@@ -360,7 +371,7 @@ class Job:
             assert reward is not None
             device = reward.ctx.device
             with _evaluating(reward), torch.no_grad():
-                values = reward.module(batch["input_ids"][share].to(device), batch["attention_mask"][share].to(device))
+                values = reward(batch["input_ids"][share].to(device), batch["attention_mask"][share].to(device))
             return sequence_values(values, batch["last_index"][share].to(device))
 
         return self.compute_rows("reward", rows, fn)

@@ -1,8 +1,9 @@
 """PPO with each model on ranks of its own, in one 4-rank job: the actor with ZeRO-2 over data
 ranks 0-1, the critic with 1D tensor parallelism over ranks 2-3, the frozen reference on ranks
 0-1 (each computing every row alone). On a fixed experience batch the update takes the same
-steps as one process accumulating the same micro-batches (fp32, 1e-5); and a whole PPO step
-(rollouts, experience, update) gives the single-process metrics and weights."""
+steps as one process accumulating the same micro-batches (fp32, 1e-5); and whole PPO steps
+(rollouts, experience, update), with the reference sharded by ZeRO-3 over ranks 0-1 and a reward
+model split by tp2 over ranks 2-3, give the single-process metrics and weights."""
 
 from __future__ import annotations
 
@@ -101,7 +102,15 @@ def run(split: bool, whole_step: bool) -> tuple | None:
     actor = engine(build(0), actor_ctx, actor_config) if actor_ctx is not None else None
     critic = engine(value_model(build(1)), critic_ctx, critic_config) if critic_ctx is not None else None
     reference = Frozen(build(0)) if actor_ctx is not None else None  # held by the actor's ranks
-    trainer = PPOTrainer(actor, critic, reference, REWARD, SAMPLE, OPTIONS)
+    reward = REWARD
+    if whole_step:  # the reference under ZeRO-3 on ranks 0-1, a reward model under tp2 on ranks 2-3
+        if split and actor_ctx is not None:
+            zero3 = {"parallel": {"data": 2}, "zero": {"stage": 3}}
+            reference = Frozen(engine(build(0), use_layout(ranks=[0, 1], data=2, config=zero3), zero3))
+        elif split:
+            reference = None
+        reward = Frozen(engine(value_model(build(2)), critic_ctx, critic_config)) if critic_ctx is not None else None
+    trainer = PPOTrainer(actor, critic, reference, reward, SAMPLE, OPTIONS)
     if whole_step:
         prompts, _ = pairs()
         metrics = [trainer.step(prompts, seed=11), trainer.step(prompts, seed=12)]
