@@ -208,3 +208,32 @@ def test_bad_setups_are_refused():
     exp = trainer.experience(PROMPTS[:3], trainer.rollout(PROMPTS[:3], seed=0))
     with pytest.raises(ValueError, match="micro-batches"):
         trainer.train(exp)  # 3 rows cannot be 2 micro-batches
+
+
+def test_a_hugging_face_actor_and_critic_take_a_ppo_step():
+    """An unmodified transformers LLaMA as actor, critic (its value model) and reference: the
+    experience's log-probs are the ones its generation recorded, and a step trains both."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=50, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+
+    def llama(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+    use_layout(config={})
+    actor, critic = llama(0), value_model(llama(1))
+    before = {n: p.detach().clone() for n, p in actor.named_parameters()}
+    a, _, _, _ = tessera.initialize(actor, torch.optim.AdamW(actor.parameters(), lr=1e-3))
+    c, _, _, _ = tessera.initialize(critic, torch.optim.AdamW(critic.parameters(), lr=1e-3))
+    trainer = PPOTrainer(a, c, llama(0), REWARD, SAMPLE, PPOOptions(kl_coef=0.05))
+    rollouts = trainer.generator.generate(PROMPTS, seed=4)
+    exp = trainer.experience(PROMPTS, [r.response for r in rollouts])
+    for b, r in enumerate(rollouts):
+        torch.testing.assert_close(exp["logprobs"][b, : len(r.response)], torch.tensor(r.logprobs), atol=2e-5, rtol=0)
+    assert float(exp["kl"].abs().max()) < 1e-5  # the reference is the actor's starting copy
+    metrics = trainer.step(PROMPTS, seed=5)
+    assert metrics["value/loss"] > 0
+    assert any(not torch.equal(p, before[n]) for n, p in actor.named_parameters())
