@@ -1,4 +1,4 @@
-"""The ``tessera`` command: run, train, plan, check, bench, ckpt, serve, generate.
+"""The ``tessera`` command: run, train, plan, check, bench, ckpt, serve, generate, rlhf.
 
 Importing this module does not import torch: ``--help`` and ``--version`` answer at once, and
 ``train`` checks its config and layout before torch is loaded.
@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from tessera.cli import ckpt
 from tessera.cli import plan as planning
+from tessera.cli import rlhf as alignment
 from tessera.cli import serve as serving
 from tessera.errors import TesseraError
 
@@ -151,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         "sequence parallelism and ZeRO, configured from a file.",
     )
     parser.add_argument("--version", action="version", version=f"tessera {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="{run,train,plan,check,bench,ckpt,serve,generate}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,train,plan,check,bench,ckpt,serve,generate,rlhf}")
     sub.required = True
 
     sub.add_parser(
@@ -239,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ckpt.add_parser(sub)
     serving.add_parsers(sub)
+    alignment.add_parser(sub)
     return parser
 
 

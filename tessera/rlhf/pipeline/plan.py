@@ -1,0 +1,470 @@
+"""Before any process starts: each model's ranks, layout, architecture and weights, checked
+(:func:`plan_stage`); the data each stage reads; and building the models on a rank."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import tessera
+from tessera.checkpoint import load_full_state_dict, load_weights
+from tessera.config import Config, build, parallel_dims
+from tessera.config.schema import (
+    OptimizerConfig,
+)
+from tessera.context import ParallelContext, ParallelDims, get_context
+from tessera.errors import ConfigError
+from tessera.inference.text import ByteTokenizer
+from tessera.rlhf.data import (
+    HFTokenizer,
+    PreferenceExample,
+    PromptExample,
+    SFTExample,
+    load_preferences,
+    load_prompts,
+    load_sft,
+    read_jsonl,
+    sft_from_preferences,
+)
+from tessera.rlhf.experience import Frozen, text_reward
+from tessera.rlhf.models import ValueModel, value_model
+from tessera.rlhf.pipeline.config import (
+    CARD,
+    SORTING,
+    WEIGHTS,
+    DPOStageConfig,
+    FrozenLayout,
+    GenerationConfig,
+    GRPOStageConfig,
+    ModelSpec,
+    PPOStageConfig,
+    RMStageConfig,
+    SFTStageConfig,
+    StageConfig,
+)
+from tessera.rlhf.sorting import sorting_files
+from tessera.session import current_config, set_session
+
+# ---- the plan: each model's ranks, layout, architecture and weights ------------------------------
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    """One model of a stage, resolved: the job ranks holding it, the tessera config and layout
+    it runs under, its architecture, the weights it starts from (None: seeded random), whether
+    it is a value model, and its optimizer (None: frozen)."""
+
+    role: str
+    ranks: tuple[int, ...]
+    config: Config
+    dims: ParallelDims
+    spec: ModelSpec
+    weights: Path | None
+    value: bool
+    optimizer: OptimizerConfig | None
+
+    @property
+    def data(self) -> int:
+        """Its data-parallel degree (the rows of a batch split into this many shares)."""
+        return self.dims.data_size
+
+    def describe(self) -> str:
+        axes = [f"{axis}={getattr(self.dims, axis)}" for axis in ("data", "tensor") if getattr(self.dims, axis) > 1]
+        if self.dims.tensor > 1:
+            axes[-1] += f" ({self.dims.tensor_mode})"
+        if self.config.zero.stage:
+            axes.append(f"zero-{self.config.zero.stage}")
+        if self.config.mixed_precision.dtype != "fp32":
+            axes.append(self.config.mixed_precision.dtype)
+        if self.optimizer is not None and self.config.gradient_accumulation > 1:
+            axes.append(f"accumulation {self.config.gradient_accumulation}")
+        where = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else f"ranks {list(self.ranks)}"
+        start = f"from {self.weights}" if self.weights is not None else "random"
+        frozen = ", frozen" if self.optimizer is None else ""
+        return f"{self.role}: {where}{' (' + ', '.join(axes) + ')' if axes else ''}, {start}{frozen}"
+
+
+def weights_file(init: str, key: str) -> Path:
+    """The safetensors file ``init`` names: a stage folder's model.safetensors, or the file."""
+    path = Path(init)
+    if path.is_dir():
+        if not (path / WEIGHTS).is_file():
+            raise ConfigError(f"{key}={init!r}: the folder has no {WEIGHTS} (is it a finished stage's folder?)")
+        return path / WEIGHTS
+    if path.is_file() and path.suffix == ".safetensors":
+        return path
+    raise ConfigError(f"{key}={init!r} is neither a stage's output folder nor a .safetensors file")
+
+
+def holds_value_head(weights: Path) -> bool:
+    """Whether the safetensors file ``weights`` holds a value model (its head ``score``), read
+    from the file's header."""
+    from safetensors import safe_open
+
+    with safe_open(str(weights), framework="pt") as f:
+        return "score.weight" in f.keys()
+
+
+def read_card(weights: Path) -> dict[str, Any] | None:
+    """The ``model.json`` beside ``weights`` (a stage folder's), or None."""
+    card = weights.parent / CARD
+    return json.loads(card.read_text()) if card.is_file() else None
+
+
+def _architecture(cfg: StageConfig, weights: Path | None, key: str) -> ModelSpec:
+    """A model's architecture: its stage folder's (model.json), which must agree with a given
+    ``model`` section; else the ``model`` section; else gpt tiny."""
+    card = read_card(weights) if weights is not None else None
+    if weights is None or card is None:
+        return cfg.model if cfg.model is not None else ModelSpec()
+    spec = build(ModelSpec, card["model"], f"{weights.parent / CARD}: model.")
+    if cfg.model is not None and cfg.model != spec:
+        raise ConfigError(
+            f"{key}: {weights} was written by a model ({spec.describe()}) other than the config's model section "
+            f"({cfg.model.describe()}); drop the model section (the folder's model.json names it) or make them agree"
+        )
+    return spec
+
+
+def _tokenizer_key(spec: ModelSpec) -> str:
+    return "bytes" if spec.hf_path is None else str(Path(spec.hf_path).resolve())
+
+
+def _role(
+    cfg: StageConfig,
+    role: str,
+    world: int,
+    ranks: list[int] | None,
+    layout: FrozenLayout,
+    init: str | None,
+    value: bool,
+    optimizer: OptimizerConfig | None,
+    started: str,
+) -> RolePlan:
+    key = f"{role}."
+    chosen = tuple(ranks) if ranks is not None else tuple(range(world))
+    outside = [r for r in chosen if r >= world]
+    if outside:
+        raise ConfigError(
+            f"{key}ranks={list(chosen)}: rank(s) {outside} are outside the job's {world} rank(s) {started}"
+        )
+    config = layout.tessera_config(cfg.seed, cfg.launch, cfg.comm, key)
+    try:
+        dims = parallel_dims(config, len(chosen))
+    except ConfigError as exc:
+        raise ConfigError(f"{key}parallel: {exc} (it has {len(chosen)} rank(s): {list(chosen)}) {started}") from None
+    weights = weights_file(init, f"{key}init" if role != "reward" else "reward.from") if init is not None else None
+    return RolePlan(role, chosen, config, dims, _architecture(cfg, weights, key), weights, value, optimizer)
+
+
+def _divides(rows: int, parts: int, what: str) -> None:
+    if rows % parts:
+        raise ConfigError(f"{what}: {rows} rows do not split into {parts} equal parts; make it a multiple of {parts}")
+
+
+def plan_stage(stage: str, cfg: StageConfig, world: int, started: str = "") -> dict[str, RolePlan]:
+    """The stage's models on a job of ``world`` ranks, checked (module docstring): each role's
+    :class:`RolePlan`, in the order every rank builds them. ``started``: how the world size was
+    chosen, added to the messages it matters to. Raises ConfigError."""
+    started = f"({started})" if started else ""
+    plans: dict[str, RolePlan] = {}
+    loop = cfg.train
+    assert isinstance(cfg, SFTStageConfig | RMStageConfig | DPOStageConfig | PPOStageConfig | GRPOStageConfig)
+    _data_file(cfg.data.train, "train")  # the files exist (read on the ranks)
+    if cfg.data.eval is not None:
+        _data_file(cfg.data.eval, "eval")
+    if isinstance(cfg, SFTStageConfig | DPOStageConfig):
+        p = cfg.policy
+        plans["policy"] = _role(cfg, "policy", world, None, p, p.init, False, p.optimizer, started)
+        if isinstance(cfg, DPOStageConfig) and not cfg.dpo.reference_free:
+            init = cfg.reference.init if cfg.reference.init is not None else p.init
+            policy = plans["policy"]
+            reference = _role(cfg, "reference", world, None, p, init, False, None, started)
+            plans["reference"] = dataclasses.replace(reference, config=policy.config, dims=policy.dims)
+        trained = plans["policy"]
+    elif isinstance(cfg, RMStageConfig):
+        r = cfg.reward_model
+        plans["reward_model"] = _role(cfg, "reward_model", world, None, r, r.init, True, r.optimizer, started)
+        trained = plans["reward_model"]
+    else:
+        assert isinstance(cfg, PPOStageConfig | GRPOStageConfig)
+        return _plan_rl(cfg, world, started)
+    per_rank = trained.data * trained.config.gradient_accumulation
+    _divides(loop.batch_size, per_rank, f"train.batch_size={loop.batch_size} over {trained.role}'s data ranks "
+             f"x gradient_accumulation ({trained.data} x {trained.config.gradient_accumulation})")  # fmt: skip
+    _same_tokenizer(plans)
+    return plans
+
+
+def _plan_rl(cfg: PPOStageConfig | GRPOStageConfig, world: int, started: str) -> dict[str, RolePlan]:
+    plans: dict[str, RolePlan] = {}
+    a = cfg.actor
+    plans["actor"] = actor = _role(cfg, "actor", world, a.ranks, a, a.init, False, a.optimizer, started)
+    if actor.dims.tensor > 1 or cfg.actor.zero.stage == 3:
+        raise ConfigError(
+            "actor: each of its data ranks generates rollouts with the whole model, so its layout may not split "
+            "the weights (parallel.tensor.size=1 and zero.stage <= 2); split the critic, reference or reward model"
+        )
+    if isinstance(cfg, PPOStageConfig):
+        c = cfg.critic
+        init = c.init if c.init is not None else a.init
+        plans["critic"] = _role(cfg, "critic", world, c.ranks, c, init, True, c.optimizer, started)
+        kl = cfg.ppo.kl_coef > 0 or cfg.ppo.kl_target is not None
+    else:
+        kl = cfg.grpo.beta > 0
+    ref = cfg.reference
+    if kl:
+        init = ref.init if ref.init is not None else a.init
+        plans["reference"] = _role(cfg, "reference", world, ref.ranks, ref, init, False, None, started)
+    if cfg.reward.from_ is not None:
+        w = cfg.reward
+        plans["reward"] = _role(cfg, "reward", world, w.ranks, w, w.from_, True, None, started)
+        weights = plans["reward"].weights
+        if weights is None or not holds_value_head(weights):
+            raise ConfigError(f"reward.from={w.from_!r} is not a reward model's folder (an rm stage writes one)")
+    rows = cfg.train.batch_size * (cfg.grpo.group_size if isinstance(cfg, GRPOStageConfig) else 1)
+    rows_of = f"the rollout batch ({rows} rows: train.batch_size" + (
+        " x grpo.group_size)" if isinstance(cfg, GRPOStageConfig) else ")"
+    )
+    options = cfg.ppo if isinstance(cfg, PPOStageConfig) else cfg.grpo
+    _divides(rows, options.minibatches, f"{rows_of} over minibatches={options.minibatches}")
+    for plan in plans.values():
+        _divides(rows, plan.data, f"{rows_of} over the {plan.role}'s {plan.data} data ranks")
+        if plan.optimizer is not None:
+            each = rows // options.minibatches
+            accumulation = plan.config.gradient_accumulation
+            _divides(each, plan.data * accumulation, f"a minibatch ({each} rows) over the {plan.role}'s data ranks "
+                     f"x gradient_accumulation ({plan.data} x {accumulation})")  # fmt: skip
+    _same_tokenizer(plans)
+    stop_ids(cfg.generation, tokenizer_of(actor.spec))  # each stop string is one token
+    return plans
+
+
+def _same_tokenizer(plans: Mapping[str, RolePlan]) -> None:
+    keys = {role: _tokenizer_key(plan.spec) for role, plan in plans.items()}
+    if len(set(keys.values())) > 1:
+        shown = ", ".join(f"{role}: {plan.spec.describe()}" for role, plan in plans.items())
+        raise ConfigError(f"the models of a stage must share a tokenizer, and these do not: {shown}")
+
+
+# ---- data ---------------------------------------------------------------------------------------
+
+
+def _data_file(given: str, split: str) -> Path:
+    if given == SORTING:
+        files = sorting_files()
+        return files.train if split == "train" else files.heldout
+    path = Path(given)
+    if not path.is_file():
+        raise ConfigError(f"data.{split}={given!r}: no such file (give a JSONL file, or 'sorting')")
+    return path
+
+
+def sft_examples(given: str, split: str) -> list[SFTExample]:
+    """SFT examples of a file with ``response`` fields, or a preference file's chosen answers."""
+    path = _data_file(given, split)
+    first = read_jsonl(path)[:1]
+    if first and "response" not in first[0] and "chosen" in first[0]:
+        return sft_from_preferences(load_preferences(path))
+    return load_sft(path)
+
+
+def preference_examples(given: str, split: str) -> list[PreferenceExample]:
+    return load_preferences(_data_file(given, split))
+
+
+def prompt_examples(given: str, split: str) -> list[PromptExample]:
+    return load_prompts(_data_file(given, split))
+
+
+def index_batches(rows: int, size: int, shuffle: bool, seed: int) -> Iterator[list[int]]:
+    """Endless batches of ``size`` row indices of ``rows``: each epoch a fresh seeded order (the
+    same on every rank), its last incomplete batch dropped."""
+    if rows < size:
+        raise ConfigError(f"train.batch_size={size} is larger than the {rows} training rows")
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        order = torch.randperm(rows, generator=generator).tolist() if shuffle else list(range(rows))
+        for start in range(0, rows - size + 1, size):
+            yield order[start : start + size]
+
+
+def data_share(rows: Sequence[int], ctx: ParallelContext) -> list[int]:
+    """This rank's contiguous share of ``rows`` (its data index's; tensor ranks of one data index
+    take the same rows)."""
+    parts, index = ctx.size("data"), ctx.local_rank("data")
+    each = len(rows) // parts
+    return list(rows[index * each : (index + 1) * each])
+
+
+def chunks(rows: Sequence[int], count: int) -> list[list[int]]:
+    """``rows`` cut into ``count`` contiguous parts as equal as can be."""
+    bounds = [round(i * len(rows) / count) for i in range(count + 1)]
+    return [list(rows[bounds[i] : bounds[i + 1]]) for i in range(count)]
+
+
+# ---- building the models -------------------------------------------------------------------------
+
+
+def tokenizer_of(spec: ModelSpec) -> Any:
+    """The tokenizer of an architecture: bytes for tessera's GPT; an hf: folder's own (bytes
+    when it has none)."""
+    if spec.hf_path is None:
+        return ByteTokenizer()
+    from tessera.hf.train import find_causal_lm
+
+    lm = find_causal_lm(spec.hf_path, spec.options)
+    return HFTokenizer(lm.tokenizer) if lm.tokenizer is not None else ByteTokenizer()
+
+
+def stop_ids(generation: GenerationConfig, tokenizer: Any) -> tuple[int, ...]:
+    """The stop token ids: ``stop_token_ids``, each stop string's token, the tokenizer's EOS."""
+    ids = [int(t) for t in generation.stop_token_ids]
+    for text in generation.stop:
+        tokens = list(tokenizer.encode(text))
+        if len(tokens) != 1:
+            raise ConfigError(
+                f"generation.stop: {text!r} is {len(tokens)} tokens of the tokenizer; give one-token stops"
+            )
+        ids.append(tokens[0])
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is not None:
+        ids.append(int(eos))
+    return tuple(dict.fromkeys(ids))
+
+
+def causal_lm(spec: ModelSpec) -> nn.Module:
+    """A causal LM of ``spec`` with seeded random weights (an hf: folder's own when it has them),
+    built under the current context (its tensor layers split themselves)."""
+    if spec.hf_path is None:
+        from tessera.models import gpt
+
+        return gpt(spec.preset, **spec.options)
+    from tessera.hf.train import find_causal_lm
+
+    lm = find_causal_lm(spec.hf_path, spec.options)
+    if lm.weights:
+        model: nn.Module = lm.cls.from_pretrained(str(lm.path), dtype=torch.float32, **spec.options)  # type: ignore[attr-defined]
+        return model
+    import transformers
+
+    built: nn.Module = transformers.AutoModelForCausalLM.from_config(lm.config, dtype=torch.float32)
+    return built
+
+
+def load_into(model: nn.Module, weights: Path, role: str) -> None:
+    """``weights`` (a full state) into ``model`` in its layout: whole, or, for a value model given
+    a causal LM's weights, into its backbone."""
+    state = load_weights(weights)
+    holds_head = "score.weight" in state
+    try:
+        if isinstance(model, ValueModel) and not holds_head:
+            model.load_backbone(state)
+        elif holds_head and not isinstance(model, ValueModel):
+            raise ConfigError(
+                f"{role}: {weights} holds a value model (a reward model or critic), not a causal LM; give an sft, "
+                "dpo, ppo or grpo folder"
+            )
+        else:
+            load_full_state_dict(model, state)
+    except (KeyError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"{role}: {weights} does not fit the model: {exc}") from None
+
+
+class StopPenalty(nn.Module):
+    """A reward model whose value at every token other than a stop token is ``penalty`` lower:
+    a row's score, read at its last token, drops by ``penalty`` when its response was cut off
+    before a stop token (``reward.missing_stop_penalty``). ``model``: a value model, or a frozen
+    one (:class:`~tessera.rlhf.experience.Frozen`, an engine's forward under its layout)."""
+
+    def __init__(self, model: Callable[..., torch.Tensor], stops: Sequence[int], penalty: float) -> None:
+        super().__init__()
+        self.model, self.penalty = model, penalty
+        self.stops = tuple(int(t) for t in stops)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        values = self.model(input_ids, attention_mask)
+        unstopped = ~torch.isin(input_ids, torch.tensor(self.stops, device=input_ids.device))
+        return values - self.penalty * unstopped.to(values.dtype)
+
+
+def rule_reward(rule: Callable[[str, str], float], tokenizer: Any, stops: Sequence[int], penalty: float) -> Any:
+    """The job's reward from a rule on text, ``penalty`` lower for a response that does not end
+    with one of ``stops``."""
+    scored = text_reward(rule, tokenizer)
+    if not penalty:
+        return scored
+    ends = set(stops)
+
+    def score(prompt: Sequence[int], response: Sequence[int]) -> float:
+        stopped = bool(response) and response[-1] in ends
+        return scored(prompt, response) - (0.0 if stopped else penalty)
+
+    return score
+
+
+class Built:
+    """A stage's models on this rank: the contexts of every role (built collectively, in the
+    plan's order) and what this rank holds of them."""
+
+    def __init__(self, plans: Mapping[str, RolePlan]) -> None:
+        self.plans = plans
+        self.job = get_context()
+        self.job_config = current_config()
+        self.contexts: dict[str, ParallelContext | None] = {}
+        for role, plan in plans.items():  # collective over the job: every rank, the same order
+            if role == "reference" and "policy" in plans:
+                self.contexts[role] = self.contexts["policy"]  # DPO: the reference beside the policy
+                continue
+            self.contexts[role] = ParallelContext.on_ranks(
+                plan.ranks, plan.dims, device=self.job.device, seed=plan.config.seed
+            )
+
+    def module(self, role: str, *, head_std: float | None = None) -> nn.Module | None:
+        """The role's model built on this rank under its context (None where it is not held),
+        its weights loaded, on the context's device."""
+        plan, ctx = self.plans[role], self.contexts[role]
+        if ctx is None:
+            return None
+        set_session(ctx, plan.config)  # tessera's layers split themselves for the current context
+        try:
+            torch.manual_seed(plan.config.seed)  # the same random weights on every rank
+            model = causal_lm(plan.spec)
+            if plan.value:
+                model = value_model(model, head_std=head_std, head_seed=plan.config.seed)
+            if plan.weights is not None:
+                load_into(model, plan.weights, role)
+        finally:
+            set_session(self.job, self.job_config)
+        return model.to(ctx.device)
+
+    def engine(self, role: str, *, head_std: float | None = None) -> Any:
+        """The role's engine on this rank (None where it is not held): its layout applied, its
+        optimizer built (a frozen model's never steps: ``tessera.initialize`` needs one)."""
+        model = self.module(role, head_std=head_std)
+        if model is None:
+            return None
+        from tessera.train import build_optimizer
+
+        plan = self.plans[role]
+        if plan.optimizer is not None:
+            optimizer = build_optimizer(model, plan.optimizer)
+        else:
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # no state: it never steps
+        engine, _, _, _ = tessera.initialize(model, optimizer, ctx=self.contexts[role], config=plan.config)
+        return engine
+
+    def frozen(self, role: str) -> Frozen | None:
+        """The role's frozen model on this rank (None where it is not held), run through its
+        engine's forward: ZeRO-3's pieces, tensor-parallel blocks, mixed precision."""
+        engine = self.engine(role)
+        return Frozen(engine) if engine is not None else None
