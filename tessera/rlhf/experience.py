@@ -48,6 +48,7 @@ from tessera.rlhf.tokens import LogprobsFn
 __all__ = [
     "ROLES",
     "Experience",
+    "actor_generator",
     "engine_micro_batches",
     "minibatches",
     "rollout",
@@ -194,6 +195,15 @@ def _trim(part: Experience) -> Experience:
         if value.dim() == 2 and key not in ("input_ids", "attention_mask", "labels", "response_mask"):
             out[key] = value[:, :longest]
     return out
+
+
+def actor_generator(actor: Any, params: Any, options: Mapping[str, Any] | None) -> RolloutGenerator | None:
+    """The rollout generator of ``actor`` (an engine; None on ranks without it) sampling with
+    ``params``, ``options`` its KV-cache sizes. Stream 0: requests are seeded by their row's
+    number in the whole batch (:func:`rollout`), so any split over data ranks samples alike."""
+    if actor is None:
+        return None
+    return RolloutGenerator(actor.module, params, ctx=actor.ctx, stream=0, **dict(options or {}))
 
 
 def rollout(

@@ -29,6 +29,7 @@ from tessera.rlhf.experience import (
     Experience,
     Job,
     RewardFn,
+    actor_generator,
     engine_micro_batches,
     minibatches,
     response_index,
@@ -37,7 +38,6 @@ from tessera.rlhf.experience import (
 )
 from tessera.rlhf.losses import GRPO_LOSS_TYPES, grpo_loss
 from tessera.rlhf.models import token_logprobs_fn
-from tessera.rlhf.rollout import RolloutGenerator
 
 __all__ = ["GRPOOptions", "GRPOTrainer"]
 
@@ -102,11 +102,7 @@ class GRPOTrainer:
         if self.options.beta > 0:
             self.job.require("reference", "GRPOTrainer (beta > 0 needs a reference; or beta=0)")
         self.actor = actor
-        self.generator = (
-            RolloutGenerator(actor.module, params, ctx=actor.ctx, stream=0, **dict(generator or {}))
-            if actor is not None
-            else None
-        )
+        self.generator = actor_generator(actor, params, generator)
         self.actor_logprobs = token_logprobs_fn(actor.module) if actor is not None else None
 
     def groups(self, prompts: Sequence[Sequence[int]]) -> list[Sequence[int]]:

@@ -40,6 +40,7 @@ from tessera.rlhf.experience import (
     Experience,
     Job,
     RewardFn,
+    actor_generator,
     engine_micro_batches,
     minibatches,
     response_index,
@@ -48,7 +49,6 @@ from tessera.rlhf.experience import (
 )
 from tessera.rlhf.losses import ppo_policy_loss, ppo_value_loss
 from tessera.rlhf.models import token_logprobs_fn
-from tessera.rlhf.rollout import RolloutGenerator
 from tessera.rlhf.tokens import masked_mean, masked_sum, masked_whiten
 
 __all__ = ["PPOOptions", "PPOTrainer"]
@@ -124,12 +124,7 @@ class PPOTrainer:
             else FixedKLController(o.kl_coef)
         )
         self.actor, self.critic = actor, critic
-        # stream 0 and the rows' own numbers: the same samples whatever the split over data ranks
-        self.generator = (
-            RolloutGenerator(actor.module, params, ctx=actor.ctx, stream=0, **dict(generator or {}))
-            if actor is not None
-            else None
-        )
+        self.generator = actor_generator(actor, params, generator)
         self.actor_logprobs = token_logprobs_fn(actor.module) if actor is not None else None
 
     # ---- rollout and experience ---------------------------------------------------------------
