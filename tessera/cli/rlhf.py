@@ -1,5 +1,5 @@
 """``tessera rlhf STAGE CONFIG``: one stage of the RLHF pipeline (sft, rm, ppo, dpo, grpo) from a
-config file, on ranks started through torchrun (:mod:`tessera.rlhf.pipeline`).
+config file, on ranks started through torchrun (:mod:`tessera.rlhf_pipeline`).
 
 Checked here, before any process starts, in one line with exit code 2: the config and its
 ``--set`` overrides, and the stage's plan on the world the command starts (each model's ranks
@@ -60,7 +60,7 @@ def cmd_rlhf(args: argparse.Namespace) -> int:
     """Validate the stage's config and plan here, then start its ranks."""
     from tessera.cli.launching import check_overrides, start_ranks
     from tessera.errors import ConfigError
-    from tessera.rlhf.pipeline import default_run_dir, load_stage_config, plan_stage
+    from tessera.rlhf_pipeline import default_run_dir, load_stage_config, plan_stage
 
     check_overrides(args.set, [args.config])
     cfg = load_stage_config(args.stage, args.config, args.set)  # a bad config fails before any process starts
@@ -71,7 +71,7 @@ def cmd_rlhf(args: argparse.Namespace) -> int:
     plan_stage(args.stage, cfg, nproc, f"tessera rlhf starts {nproc} process(es): {given}")
     run_dir = Path(args.output_dir) if args.output_dir else default_run_dir(args.stage, cfg)
     argv = ["--standalone", "--nproc-per-node", str(nproc), "-m", "tessera.cli.rank"]
-    argv += ["--module", "tessera.rlhf.pipeline", "--", args.stage, str(args.config), "--run-dir", str(run_dir)]
+    argv += ["--module", "tessera.rlhf_pipeline", "--", args.stage, str(args.config), "--run-dir", str(run_dir)]
     for item in args.set:
         argv += ["--set", item]
     return start_ranks(argv, run_dir, "rlhf", {})

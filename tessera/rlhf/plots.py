@@ -4,7 +4,7 @@ text files that diff and render anywhere (a browser, GitHub, a docs page).
 :func:`line_plot_svg` draws one chart: one polyline per series (markers too when a series has
 few points, such as evaluations), axes with round-number ticks, a legend. :func:`plot_metrics`
 turns the records of a ``metrics.jsonl`` file into one chart per :class:`Panel`; ``tessera
-rlhf`` writes them into each stage's folder (:mod:`tessera.rlhf.pipeline`).
+rlhf`` writes them into each stage's folder (:mod:`tessera.rlhf_pipeline`).
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ RANKS: dict[str, float] = {
     "testing": 6.4,
     "serve": 6.45,  # the HTTP server and the rank group behind it (bench serve measures it)
     "train": 6.5,
+    "rlhf_pipeline": 6.55,  # the stages of `tessera rlhf` over the public API, tessera.rlhf and train's optimizers
     "bench": 6.5,
     "cli": 6.6,
     "__main__": 6.7,

@@ -1,4 +1,4 @@
-"""The RLHF pipeline's config (tessera.rlhf.pipeline): every bad config fails before a process
+"""The RLHF pipeline's config (tessera.rlhf_pipeline): every bad config fails before a process
 starts with a message that names the key; the plan of each example config; the reward's stop
 penalty; the batching helpers; the SVG plots (tessera.rlhf.plots); the docs list every key."""
 
@@ -18,11 +18,11 @@ from tessera.checkpoint import save_weights
 from tessera.errors import ConfigError
 from tessera.models import gpt
 from tessera.rlhf import sorting_reward, value_model
-from tessera.rlhf.pipeline import STAGES, config_reference, load_stage_config, plan_stage
-from tessera.rlhf.pipeline.config import ModelSpec
-from tessera.rlhf.pipeline.plan import StopPenalty, chunks, index_batches, load_into, rule_reward, stop_ids
-from tessera.rlhf.pipeline.run import summary
 from tessera.rlhf.plots import Panel, line_plot_svg, nice_ticks, plot_metrics
+from tessera.rlhf_pipeline import STAGES, config_reference, load_stage_config, plan_stage
+from tessera.rlhf_pipeline.config import ModelSpec
+from tessera.rlhf_pipeline.plan import StopPenalty, chunks, index_batches, load_into, rule_reward, stop_ids
+from tessera.rlhf_pipeline.run import summary
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples" / "rlhf"

@@ -39,7 +39,7 @@ ones, ``time`` the seconds since training began), ``model.safetensors`` and ``mo
 Every rank runs :func:`main` (``tessera rlhf`` starts them through torchrun).
 """
 
-from tessera.rlhf.pipeline.config import (
+from tessera.rlhf_pipeline.config import (
     STAGES,
     DPOStageConfig,
     GRPOStageConfig,
@@ -49,8 +49,8 @@ from tessera.rlhf.pipeline.config import (
     default_run_dir,
     load_stage_config,
 )
-from tessera.rlhf.pipeline.plan import RolePlan, plan_stage
-from tessera.rlhf.pipeline.run import config_reference, main, run_stage
+from tessera.rlhf_pipeline.plan import RolePlan, plan_stage
+from tessera.rlhf_pipeline.run import config_reference, main, run_stage
 
 __all__ = [
     "STAGES",

@@ -33,7 +33,13 @@ from tessera.rlhf.batches import PreferenceDataset, PromptDataset, SFTDataset, b
 from tessera.rlhf.dpo import DPOOptions, DPOTrainer
 from tessera.rlhf.experience import Frozen, rollout
 from tessera.rlhf.grpo import GRPOOptions, GRPOTrainer
-from tessera.rlhf.pipeline.config import (
+from tessera.rlhf.plots import Panel, plot_metrics
+from tessera.rlhf.ppo import PPOOptions, PPOTrainer
+from tessera.rlhf.reward import RewardOptions, RewardTrainer
+from tessera.rlhf.rollout import RolloutGenerator
+from tessera.rlhf.sft import SFTTrainer
+from tessera.rlhf.sorting import sorting_reward
+from tessera.rlhf_pipeline.config import (
     CARD,
     SORTING,
     STAGES,
@@ -52,7 +58,7 @@ from tessera.rlhf.pipeline.config import (
     default_run_dir,
     load_stage_config,
 )
-from tessera.rlhf.pipeline.plan import (
+from tessera.rlhf_pipeline.plan import (
     Built,
     RolePlan,
     StopPenalty,
@@ -67,12 +73,6 @@ from tessera.rlhf.pipeline.plan import (
     stop_ids,
     tokenizer_of,
 )
-from tessera.rlhf.plots import Panel, plot_metrics
-from tessera.rlhf.ppo import PPOOptions, PPOTrainer
-from tessera.rlhf.reward import RewardOptions, RewardTrainer
-from tessera.rlhf.rollout import RolloutGenerator
-from tessera.rlhf.sft import SFTTrainer
-from tessera.rlhf.sorting import sorting_reward
 
 # ---- the run: log, evaluation, output ------------------------------------------------------------
 
@@ -499,8 +499,8 @@ def config_reference(stage: str) -> list[tuple[str, str, str, str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of each rank (``python -m tessera.rlhf.pipeline STAGE CONFIG`` under torchrun)."""
-    parser = argparse.ArgumentParser(prog="python -m tessera.rlhf.pipeline")
+    """Entry point of each rank (``python -m tessera.rlhf_pipeline STAGE CONFIG`` under torchrun)."""
+    parser = argparse.ArgumentParser(prog="python -m tessera.rlhf_pipeline")
     parser.add_argument("stage", choices=list(STAGES))
     parser.add_argument("config", nargs="?", default=None)
     parser.add_argument("--set", action="append", default=[])

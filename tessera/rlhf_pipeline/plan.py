@@ -35,7 +35,8 @@ from tessera.rlhf.data import (
 )
 from tessera.rlhf.experience import Frozen, text_reward
 from tessera.rlhf.models import ValueModel, value_model
-from tessera.rlhf.pipeline.config import (
+from tessera.rlhf.sorting import sorting_files
+from tessera.rlhf_pipeline.config import (
     CARD,
     SORTING,
     WEIGHTS,
@@ -49,7 +50,6 @@ from tessera.rlhf.pipeline.config import (
     SFTStageConfig,
     StageConfig,
 )
-from tessera.rlhf.sorting import sorting_files
 from tessera.session import current_config, set_session
 
 # ---- the plan: each model's ranks, layout, architecture and weights ------------------------------

@@ -1,5 +1,5 @@
 """The config of a ``tessera rlhf`` stage: one frozen dataclass per stage, read from a file
-with overrides and checked key by key (the package docstring: :mod:`tessera.rlhf.pipeline`)."""
+with overrides and checked key by key (the package docstring: :mod:`tessera.rlhf_pipeline`)."""
 
 from __future__ import annotations
 
