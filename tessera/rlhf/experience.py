@@ -39,6 +39,7 @@ from tessera import comm
 from tessera.comm import AxisGroup
 from tessera.comm.group import single_rank_group
 from tessera.context import ParallelContext
+from tessera.rlhf import steps
 from tessera.rlhf.batches import SequenceBatch
 from tessera.rlhf.dpo import logits_of
 from tessera.rlhf.models import sequence_values, token_logprobs_fn
@@ -49,6 +50,7 @@ __all__ = [
     "ROLES",
     "Experience",
     "actor_generator",
+    "update",
     "engine_micro_batches",
     "minibatches",
     "rollout",
@@ -197,6 +199,37 @@ def _trim(part: Experience) -> Experience:
     return out
 
 
+def update(
+    job: Job,
+    experience: Experience,
+    epochs: int,
+    count: int,
+    trained: Mapping[str, tuple[Any, Callable[[Any, Experience], Any], Sequence[str]]],
+) -> dict[str, dict[str, float]]:
+    """``epochs`` passes over ``experience`` in ``count`` contiguous minibatches, each one optimizer
+    step of every model in ``trained`` (role -> ``(engine or None on ranks without it, losses,
+    statistics kept)``), in that order, each engine taking its data share of the minibatch in its
+    accumulation's micro-batches. Returns each role's loss and statistics averaged over the
+    steps, on every rank of the job."""
+    rows = experience["input_ids"].shape[0]
+    sums: dict[str, dict[str, float]] = {role: {} for role in trained}
+    taken = 0
+    for _ in range(epochs):
+        for part in minibatches(rows, count):
+            for role, (engine, losses, _) in trained.items():
+                if engine is not None:
+                    for key, value in steps.train_step(
+                        engine, engine_micro_batches(experience, part, engine, role), losses
+                    ).items():
+                        sums[role][key] = sums[role].get(key, 0.0) + value
+            taken += 1
+    shared = {}
+    for role, (engine, _, keys) in trained.items():
+        mine = {key: sums[role][key] / taken for key in keys} if engine is not None else None
+        shared[role] = job.share_floats(role, mine, keys)
+    return shared
+
+
 def actor_generator(actor: Any, params: Any, options: Mapping[str, Any] | None) -> RolloutGenerator | None:
     """The rollout generator of ``actor`` (an engine; None on ranks without it) sampling with
     ``params``, ``options`` its KV-cache sizes. Stream 0: requests are seeded by their row's
@@ -262,6 +295,12 @@ class Job:
             if model is not None and hasattr(model, "ctx"):
                 self.device = model.ctx.device
                 break
+        # how each language model held here takes token log-probs (vocabulary-parallel or not)
+        self.token_logprobs: dict[str, LogprobsFn] = {
+            role: token_logprobs_fn(self.models[role].module)
+            for role in ("actor", "reference")
+            if self.models[role] is not None
+        }
 
     def held(self, role: str) -> bool:
         """Whether any rank of the job holds ``role``."""
@@ -344,12 +383,10 @@ class Job:
 
         def fn(share: slice) -> torch.Tensor:
             assert model is not None
-            module = model.module
-            fn_of: LogprobsFn = token_logprobs_fn(module)
             with _evaluating(model), torch.no_grad():
                 ids = batch["input_ids"][share].to(model.ctx.device)
                 logits = logits_of(model(ids))
-                return fn_of(logits[:, :-1], batch["labels"][share].to(model.ctx.device))
+                return self.token_logprobs[role](logits[:, :-1], batch["labels"][share].to(model.ctx.device))
 
         return self.compute_rows(role, rows, fn, (width,))
 

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from tessera.inference.params import SamplingParams
-from tessera.rlhf import steps
 from tessera.rlhf.advantages import grpo_advantages
 from tessera.rlhf.batches import build_rollout_batch
 from tessera.rlhf.dpo import logits_of
@@ -30,14 +29,12 @@ from tessera.rlhf.experience import (
     Job,
     RewardFn,
     actor_generator,
-    engine_micro_batches,
-    minibatches,
     response_index,
     rollout,
     to_responses,
+    update,
 )
 from tessera.rlhf.losses import GRPO_LOSS_TYPES, grpo_loss
-from tessera.rlhf.models import token_logprobs_fn
 
 __all__ = ["GRPOOptions", "GRPOTrainer"]
 
@@ -103,7 +100,7 @@ class GRPOTrainer:
             self.job.require("reference", "GRPOTrainer (beta > 0 needs a reference; or beta=0)")
         self.actor = actor
         self.generator = actor_generator(actor, params, generator)
-        self.actor_logprobs = token_logprobs_fn(actor.module) if actor is not None else None
+        self.actor_logprobs = self.job.token_logprobs.get("actor")
 
     def groups(self, prompts: Sequence[Sequence[int]]) -> list[Sequence[int]]:
         """Each prompt ``group_size`` times, a group's rows next to each other."""
@@ -153,19 +150,10 @@ class GRPOTrainer:
         """The actor's ``epochs x minibatches`` optimizer steps on ``experience``: the loss and its
         statistics averaged over them, on every rank."""
         o = self.options
-        rows = experience["input_ids"].shape[0]
-        sums: dict[str, float] = {}
-        count = 0
-        for _ in range(o.epochs):
-            for part in minibatches(rows, o.minibatches):
-                if self.actor is not None:
-                    micro = engine_micro_batches(experience, part, self.actor, "actor")
-                    for key, value in steps.train_step(self.actor, micro, self._losses).items():
-                        sums[key] = sums.get(key, 0.0) + value
-                count += 1
         keys = ("loss", "clipfrac", "ratio_mean", *(("kl",) if o.beta > 0 else ()))
-        mine = {key: sums[key] / count for key in keys} if self.actor is not None else None
-        return self.job.share_floats("actor", mine, keys)
+        return update(self.job, experience, o.epochs, o.minibatches, {"actor": (self.actor, self._losses, keys)})[
+            "actor"
+        ]
 
     def step(self, prompts: Sequence[Sequence[int]], seed: int) -> dict[str, float]:
         """One GRPO iteration on ``prompts`` (the same list on every rank) with generation seed

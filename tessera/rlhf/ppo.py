@@ -32,7 +32,6 @@ from typing import Any
 import torch
 
 from tessera.inference.params import SamplingParams
-from tessera.rlhf import steps
 from tessera.rlhf.advantages import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, gae, per_token_rewards
 from tessera.rlhf.batches import build_rollout_batch
 from tessera.rlhf.dpo import logits_of
@@ -41,14 +40,12 @@ from tessera.rlhf.experience import (
     Job,
     RewardFn,
     actor_generator,
-    engine_micro_batches,
-    minibatches,
     response_index,
     rollout,
     to_responses,
+    update,
 )
 from tessera.rlhf.losses import ppo_policy_loss, ppo_value_loss
-from tessera.rlhf.models import token_logprobs_fn
 from tessera.rlhf.tokens import masked_mean, masked_sum, masked_whiten
 
 __all__ = ["PPOOptions", "PPOTrainer"]
@@ -125,7 +122,7 @@ class PPOTrainer:
         )
         self.actor, self.critic = actor, critic
         self.generator = actor_generator(actor, params, generator)
-        self.actor_logprobs = token_logprobs_fn(actor.module) if actor is not None else None
+        self.actor_logprobs = self.job.token_logprobs.get("actor")
 
     # ---- rollout and experience ---------------------------------------------------------------
     def rollout(self, prompts: Sequence[Sequence[int]], seed: int) -> list[list[int]]:
@@ -184,32 +181,26 @@ class PPOTrainer:
         """The update of step 3 on ``experience``: returns the policy's and the value's loss and
         statistics averaged over the optimizer steps, on every rank."""
         o = self.options
-        rows = experience["input_ids"].shape[0]
-        sums: dict[str, dict[str, float]] = {"actor": {}, "critic": {}}
-        steps_taken = 0
-        for _ in range(o.epochs):
-            for part in minibatches(rows, o.minibatches):
-                if self.actor is not None:
-                    micro = engine_micro_batches(experience, part, self.actor, "actor")
-                    _accumulate(sums["actor"], steps.train_step(self.actor, micro, self._policy_losses))
-                if self.critic is not None:
-                    micro = engine_micro_batches(experience, part, self.critic, "critic")
-                    _accumulate(sums["critic"], steps.train_step(self.critic, micro, self._value_losses))
-                steps_taken += 1
-        policy = {k: v / steps_taken for k, v in sums["actor"].items()} if self.actor is not None else None
-        value = {k: v / steps_taken for k, v in sums["critic"].items()} if self.critic is not None else None
-        shared_policy = self.job.share_floats("actor", policy, ("loss", "clipfrac", "approx_kl", "ratio_mean"))
-        shared_value = self.job.share_floats("critic", value, ("loss", "clipfrac"))
+        shared = update(
+            self.job,
+            experience,
+            o.epochs,
+            o.minibatches,
+            {
+                "actor": (self.actor, self._policy_losses, ("loss", "clipfrac", "approx_kl", "ratio_mean")),
+                "critic": (self.critic, self._value_losses, ("loss", "clipfrac")),
+            },
+        )
         return {
-            **{f"policy/{k}": v for k, v in shared_policy.items()},
-            **{f"value/{k}": v for k, v in shared_value.items()},
+            **{f"policy/{k}": v for k, v in shared["actor"].items()},
+            **{f"value/{k}": v for k, v in shared["critic"].items()},
         }
 
     def step(self, prompts: Sequence[Sequence[int]], seed: int) -> dict[str, float]:
         """One PPO iteration on ``prompts`` (the same list on every rank) with generation seed
         ``seed`` (give each iteration its own). Returns, on every rank: ``reward`` (mean score),
         ``kl`` (mean over rows of the summed per-token KL), ``kl_coef`` (the one used),
-        ``response_length``, ``advantage`` and ``return`` means, and the update's statistics."""
+        ``response_length``, the ``return`` and ``value`` means, and the update's statistics."""
         responses = self.rollout(prompts, seed)
         experience = self.experience(prompts, responses)
         metrics = self.statistics(experience)
@@ -235,8 +226,3 @@ class PPOTrainer:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.kl.load_state_dict(dict(state["kl"]))
-
-
-def _accumulate(sums: dict[str, float], metrics: Mapping[str, float]) -> None:
-    for key, value in metrics.items():
-        sums[key] = sums.get(key, 0.0) + value

@@ -334,13 +334,6 @@ class HeldOut:
         return out
 
 
-def _lcm(*numbers: int) -> int:
-    out = 1
-    for n in numbers:
-        out = out * n // math.gcd(out, n)
-    return out
-
-
 def _rl(stage: str, cfg: PPOStageConfig | GRPOStageConfig, plans: Mapping[str, RolePlan], run_dir: Path) -> None:
     tok = tokenizer_of(plans["actor"].spec)
     d, loop = cfg.data, cfg.train
@@ -367,7 +360,7 @@ def _rl(stage: str, cfg: PPOStageConfig | GRPOStageConfig, plans: Mapping[str, R
     held = None
     if d.eval is not None:
         examples = prompt_examples(d.eval, "eval")[: loop.eval_size]
-        whole = _lcm(*(p.data for p in plans.values()))  # each model's data ranks take equal shares
+        whole = math.lcm(*(p.data for p in plans.values()))  # each model's data ranks take equal shares
         examples = examples[: len(examples) - len(examples) % whole]
         if not examples:
             raise ConfigError(f"data.eval: fewer held-out prompts than the {whole} shares they are split into")
