@@ -9,7 +9,7 @@ while it still holds: the same strategy; the same parameters, buffers and submod
 in every module (by identity: a new ``nn.Parameter``, a replaced buffer or submodule, a removed
 one are all seen); the same optimizer state tensors (by identity, so an optimizer that replaces
 a state tensor instead of updating it in place is seen); each tensor with the dtype and shape it
-had (an asynchronous save checks only the tensors it copies, after copying them:
+had (an asynchronous save checks only the tensors it copies, before copying them:
 ``tessera.checkpoint.sharded._snapshot``). Non-tensor optimizer states and the random states are
 read anew at every save. The identity checks iterate in C (``map``, ``chain``) over the
 modules' own registries (their ``_parameters``, ``_buffers`` and ``_modules`` dicts): a few

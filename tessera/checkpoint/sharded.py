@@ -111,15 +111,17 @@ def save(
     with engine.strategy.checkpoint_session():
         held = holding(engine, check_layout=False)  # _snapshot checks what it copies
         snapshot = _snapshot(held, ctx)
-        if snapshot is None:  # a tensor changed dtype or shape in place: list anew, copy again
+        if snapshot is None:  # a tensor changed dtype or shape in place: list anew
             forget_listings()
             held = holding(engine)
             snapshot = _snapshot(held, ctx)
             assert snapshot is not None
-    kept, copied, copies = snapshot
-    counters = _counters(engine, dataloader, extra, held) if ctx.rank == 0 else None
-    python_rng = rng_states()
-    other = jsonable(held.other)
+        kept, copied, staging, tensors = snapshot
+        # the rest first, the copy last: what runs after it finds the CPU's caches cold
+        counters = _counters(engine, dataloader, extra, held) if ctx.rank == 0 else None
+        python_rng = rng_states()
+        other = jsonable(held.other)
+        views = staging.copy(tensors)
 
     def job() -> None:
         failed = None
@@ -133,6 +135,7 @@ def save(
         except BaseException:
             planning.forget()
             raise
+        copies = dict(zip(copied, views))
         mine = [(key, Piece(held.pieces[n].name, copies[n], held.pieces[n].view)) for key, n in keys]
         report = {"rank": ctx.rank, "rng": rng_json(python_rng), "optimizer_other": other}
         _write(partial, final, ctx, mine, report, _run_state(engine, counters) if counters is not None else None)
@@ -143,15 +146,16 @@ def save(
 
 def _snapshot(
     held: Holding, ctx: ParallelContext
-) -> tuple[planning.Share | None, list[int], dict[int, torch.Tensor]] | None:
-    """Copy what this rank may write into host memory: its kept share if it has one, else
-    everything it holds. The kept share (or None), the indices copied, and the copies by index;
-    None if a copied tensor no longer has the dtype and shape the listing gave it.
+) -> tuple[planning.Share | None, list[int], Staging, list[torch.Tensor]] | None:
+    """What this rank copies into host memory for an asynchronous save: its kept share if it has
+    one, else everything it holds. The kept share (or None), the indices to copy, the host
+    buffer they go into and the tensors; None if one of those tensors no longer has the dtype
+    and shape the kept listing gave it (the buffer is laid out for those).
 
-    Only the copied tensors are checked, after the copy (which has just read them): every piece
-    of a save is copied, so checked, by the rank that writes it; a rank that finds one changed
-    lists anew, and then every rank plans anew (:func:`planning.settle`), so a change seen by
-    one writer reaches the plan; a rank whose share later takes such a piece checks it then."""
+    Only the tensors this rank copies are checked: every piece of a save is copied, so checked,
+    by the rank that writes it; a rank that finds one changed lists anew, and then every rank
+    plans anew (:func:`planning.settle`), so a change seen by one writer reaches the plan; a
+    rank whose share later takes such a piece checks it then."""
     kept = planning.kept_share(held.signature, ctx)
     if kept is not None:
         copied = kept.indices
@@ -163,15 +167,9 @@ def _snapshot(
         staging = Staging(kinds(held.signature, copied), pin=ctx.device.type == "cuda")
     pieces = held.pieces
     tensors = [pieces[n].tensor for n in copied]
-    try:
-        copies = staging.copy(tensors)
-    except RuntimeError:
-        if staging.holds(tensors):
-            raise
-        return None  # a shape that no longer fits its place in the buffer
     if held.kept and not staging.holds(tensors):
         return None
-    return kept, copied, dict(zip(copied, copies))
+    return kept, copied, staging, tensors
 
 
 def _save_now(final: Path, engine: Any, dataloader: Any, extra: dict[str, Any] | None) -> SaveHandle:
