@@ -1,6 +1,6 @@
 """``tessera bench ckpt``: sharded checkpoints against ``torch.distributed.checkpoint`` (DCP).
 
-One engine per layout, on 4 ranks (gloo, one intra-op thread per rank): GPT "small" at
+One engine per layout, on 4 ranks for the blocking save and load (gloo, one intra-op thread per rank): GPT "small" at
 ``max_seq_len=64`` (the model of ``tessera bench zero``) with ``torch.optim.AdamW`` after one
 training step, so that every parameter has its AdamW state (step, exp_avg, exp_avg_sq). Layouts:
 ``ddp`` (data parallel over 4 ranks, every rank holds everything) and ``zero3`` (ZeRO stage 3
@@ -39,13 +39,16 @@ and optimizer state (their bytes over the world size).
 Asynchronous save: the wall time of ``save(path, engine, blocking=False)`` (how long training
 waits) against copying the same tensors (those this rank writes,
 ``tessera.checkpoint.sharded.written_share``) into host memory that holds them (allocated and
-touched before the timing: what any snapshot must at least do), alternated the same way, after
-the saves and loads (as in training, one asynchronous save after another; a load in between
-would make each the first save after a resume, which lists the tensors anew); the background
-write finishes, untimed, before the next measurement. Besides both layouts, for wider models
-(``Workload.wide``: the same GPT at ``d_model`` 768 and 1536, ZeRO-3, about 128 MB and 512 MB
-per rank) whose copy weighs more against the fixed cost of a save call (checking that the
-tensors are those of the last save, the random states, the counters).
+touched before the timing: what any snapshot must at least do), alternated the same way, one
+asynchronous save after another (as in training; a load in between would make each the first
+save after a resume, which lists the tensors anew); the background write finishes, untimed,
+before the next measurement. These run on a pool of their own with one rank per core
+(``Workload.stall_ranks``, default the smaller of ``--ranks`` and the machine's cores): the
+stall is a call of a millisecond or more, and with more ranks than cores a rank is descheduled
+in the middle of it for a time slice of the scheduler's, at a random point, which then times
+the scheduler, not the call. Besides both layouts of the preset, the same GPT at other widths
+(``Workload.widths``: at ``d_model`` 176 the share per rank of the blocking pool's GPT-small on
+4 ranks, about 14 MB; at 768 and 1536, 256 MB and 1 GB per rank on 2 ranks).
 
 The files go to a temporary folder on the local disk (``tempfile``, so ``TMPDIR`` chooses it),
 removed at the end.
@@ -54,6 +57,7 @@ removed at the end.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
@@ -75,32 +79,37 @@ ANCHOR = "torch.distributed.checkpoint"
 @dataclass(frozen=True)
 class Workload:
     """GPT ``preset`` at ``max_seq_len=seq_len``, AdamW after one step on a ``[micro_batch,
-    seq_len]`` batch per rank; ``reps`` timed rounds. ``wide``: the widths of the wider models
-    whose asynchronous save is also measured (ZeRO-3; empty: none)."""
+    seq_len]`` batch per rank; ``reps`` timed rounds. ``widths``: ``(layout, d_model)`` of the
+    other widths whose asynchronous save is also measured. ``stall_ranks``: the ranks of the
+    asynchronous saves (None: one per core, at most the blocking pool's)."""
 
     preset: str = "small"
     seq_len: int = 64
     micro_batch: int = 4
     reps: int = 6
-    wide: tuple[int, ...] = (768, 1536)
+    widths: tuple[tuple[str, int], ...] = (("ddp", 176), ("zero3", 176), ("ddp", 768), ("zero3", 768), ("zero3", 1536))
+    stall_ranks: int | None = None
 
 
 @dataclass(frozen=True)
 class Case:
     """What one engine measures: ``layout`` ("ddp" or "zero3") of the workload's model, at width
     ``d_model`` (None: the preset's); ``dcp``: the blocking save and load against DCP and the
-    bytes written, besides the asynchronous save (False: that alone)."""
+    bytes written; ``stall``: the asynchronous save against the copy."""
 
     layout: str
     d_model: int | None = None
-    dcp: bool = True
+    dcp: bool = False
+    stall: bool = False
 
     def name(self, w: Workload, world: int) -> str:
         return f"{self.layout} dp{world} gpt-{w.preset}" + (f" d{self.d_model}" if self.d_model else "")
 
 
-def cases_of(layouts: tuple[str, ...], w: Workload) -> list[Case]:
-    return [Case(layout) for layout in layouts] + [Case("zero3", width, dcp=False) for width in w.wide]
+def cases_of(layouts: tuple[str, ...], w: Workload) -> tuple[list[Case], list[Case]]:
+    """The blocking pool's cases (against DCP) and the asynchronous pool's."""
+    widths = [Case(layout, width, stall=True) for layout, width in w.widths if layout in layouts]
+    return [Case(layout, dcp=True) for layout in layouts], [Case(layout, stall=True) for layout in layouts] + widths
 
 
 def _config(layout: str, world: int) -> dict[str, Any]:
@@ -285,7 +294,7 @@ def _measure(case: Case, w: Workload, root: Path) -> dict[str, Any]:
     times: dict[str, dict[str, list[float]]] = {}
     # saves and loads alternate; the asynchronous saves come after, one after another as in
     # training (a load in between would give every one of them a run's first save after resuming)
-    phases = ([rounds] if rounds else []) + [{"async": {"tessera": stall, "copy": copy}}]
+    phases = ([rounds] if rounds else []) + ([{"async": {"tessera": stall, "copy": copy}}] if case.stall else [])
     for phase in phases:
         for what, sides in phase.items():
             times[what] = {side: [] for side in sides}
@@ -334,28 +343,29 @@ def rows_of(results: list[dict[str, Any]]) -> list[Row]:
             rows.append(Row(name, "bytes_per_rank", float(max(ours)), ANCHOR, float(max(theirs))))
             rows.append(Row(name, "bytes_per_rank", float(max(ours)), share, r["state_bytes"] / world))
             rows.append(Row(name, "bytes_total", float(sum(ours)), ANCHOR, float(sum(theirs))))
-        rows.append(Row(name, "async_stall_s", med["async"]["tessera"], "copy to host", med["async"]["copy"]))
+        if "async" in med:
+            rows.append(Row(name, "async_stall_s", med["async"]["tessera"], "copy to host", med["async"]["copy"]))
     return rows
 
 
 def run(
     ranks: int = 4, layouts: tuple[str, ...] = LAYOUTS, w: Workload | None = None, root: str | None = None
 ) -> list[Row]:
-    """Rows for every layout in ``layouts`` (and the wider model's asynchronous save) on
-    ``ranks`` ranks; the checkpoints go under a new temporary folder in ``root`` (default: the
-    system's temporary folder), removed at the end."""
-    from tessera.testing import RankPool
-
+    """Rows for every layout in ``layouts``: blocking save and load against DCP on ``ranks``
+    ranks, the asynchronous save (also at the workload's other widths) on ``w.stall_ranks``;
+    the checkpoints go under a new temporary folder in ``root`` (default: the system's
+    temporary folder), removed at the end."""
     unknown = sorted(set(layouts) - set(LAYOUTS))
     if unknown:
         raise ValueError(f"unknown layout(s) {', '.join(unknown)}; layouts: {', '.join(LAYOUTS)}")
     w = w or Workload()
-    pool = RankPool(ranks)
+    stall_ranks = w.stall_ranks or min(ranks, os.cpu_count() or ranks)
     folder = tempfile.mkdtemp(prefix="tessera-bench-ckpt-", dir=root)
+    results: list[dict[str, Any]] = []
     try:
-        results = pool.run(rank_body, cases_of(layouts, w), w, folder, timeout=1800)[0]
+        for world, cases in zip((ranks, stall_ranks), cases_of(layouts, w)):
+            results += _on_pool(world, cases, w, folder)
     finally:
-        pool.close()
         shutil.rmtree(folder, ignore_errors=True)
     for r in results:
         text = f"  {r['name']}: this rank's share of a save {r['share_bytes']:,} bytes (rank 0)"
@@ -364,6 +374,16 @@ def run(
                      f"model + optimizer state {r['state_bytes']:,} bytes")  # fmt: skip
         print(text, file=sys.stderr)
     return rows_of(results)
+
+
+def _on_pool(world: int, cases: list[Case], w: Workload, folder: str) -> list[dict[str, Any]]:
+    from tessera.testing import RankPool
+
+    pool = RankPool(world)
+    try:
+        return list(pool.run(rank_body, cases, w, folder, timeout=1800)[0])
+    finally:
+        pool.close()
 
 
 def main(args: argparse.Namespace) -> int:

@@ -93,7 +93,7 @@ BENCH_HELP: dict[str, str] = {
     "zero": "ZeRO 1-3 and offload vs torch FSDP2 and DeepSpeed, 4 ranks (about 4-5 min); the DeepSpeed rows "
     "need the bench extra: pip install -e '.[bench]'",
     "ckpt": "sharded checkpoint save/load vs torch.distributed.checkpoint, and the async save's stall, "
-    "4 ranks, DDP and ZeRO-3 (about 1 min)",
+    "4 ranks (the stall: one rank per core), DDP and ZeRO-3 (about 1 min)",
     "init": "start-up peak memory and time of GPT-2 medium (355M) under deferred init vs a whole build, "
     "FSDP2 meta-device init and DeepSpeed zero.Init, 4 ranks, ZeRO-3 dp4, 1d tp4, pp4 (about 5 min)",
     "gemini": "Gemini vs DeepSpeed ZeRO-3 with CPU and NVMe offload, 2 ranks, GPT small; and a GPT of 4x the "
