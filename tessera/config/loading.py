@@ -212,6 +212,23 @@ def config_path(path: str | Path) -> Path:
     raise ConfigError(f"config file {str(path)!r} does not exist (looked for {where})")
 
 
+_FLOAT = r"""^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9_]+(?:[eE][-+]?[0-9]+)?|[0-9][0-9_]*[eE][-+]?[0-9]+)$"""
+
+
+def _yaml_loader() -> Any:
+    """PyYAML's safe loader, reading numbers as YAML 1.2 does: ``1e-5`` and ``3E4`` are floats
+    (YAML 1.1, which PyYAML follows, wants a dot in the mantissa and reads them as strings)."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(_FLOAT), list("-+0123456789."))
+    return Loader
+
+
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """Read a config file into plain data (not yet validated)."""
     path = config_path(path)
@@ -221,7 +238,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if suffix in (".yaml", ".yml"):
         import yaml
 
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_yaml_loader())  # a SafeLoader: plain data only
     elif suffix == ".toml":
         if sys.version_info >= (3, 11):
             import tomllib

@@ -15,6 +15,7 @@ from tessera.config import (
     check_model_layout,
     load_config,
     parallel_dims,
+    read_config_file,
     reference_markdown,
     render_docs,
     require_available,
@@ -133,6 +134,15 @@ def test_every_format_gives_the_same_config(tmp_path):
     )
     for path in (py, yaml, toml, js):
         assert load_config(path) == expected, path.suffix
+
+
+def test_yaml_reads_exponents_as_numbers(tmp_path):
+    """PyYAML alone reads ``1e-5`` as a string (YAML 1.1 wants ``1.0e-5``); a config takes it
+    as the number it is, and other strings stay strings."""
+    path = write(tmp_path, "c.yaml", "a: 1e-5\nb: -3E4\nc: 2.5e+2\nd: .5\ne: 1_000\nf: 1e\ng: e5\nh: 2d\ni: '1e-5'\n")
+    assert read_config_file(path) == {
+        "a": 1e-5, "b": -3e4, "c": 250.0, "d": 0.5, "e": 1000, "f": "1e", "g": "e5", "h": "2d", "i": "1e-5"
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize(
