@@ -1,10 +1,11 @@
 """``tessera bench ckpt``: sharded checkpoints against ``torch.distributed.checkpoint`` (DCP).
 
-One engine per layout, on 4 ranks for the blocking save and load (gloo, one intra-op thread per rank): GPT "small" at
-``max_seq_len=64`` (the model of ``tessera bench zero``) with ``torch.optim.AdamW`` after one
-training step, so that every parameter has its AdamW state (step, exp_avg, exp_avg_sq). Layouts:
-``ddp`` (data parallel over 4 ranks, every rank holds everything) and ``zero3`` (ZeRO stage 3
-over 4 ranks, every rank holds a quarter of the parameters and their states, fp32).
+One engine per layout, on 4 ranks for the blocking save and load (gloo, one intra-op thread
+per rank): GPT "small" at ``max_seq_len=64`` (the model of ``tessera bench zero``) with
+``torch.optim.AdamW`` after one training step, so that every parameter has its AdamW state
+(step, exp_avg, exp_avg_sq). Layouts: ``ddp`` (data parallel over 4 ranks, every rank holds
+everything) and ``zero3`` (ZeRO stage 3 over 4 ranks, every rank holds a quarter of the
+parameters and their states, fp32).
 
 Both sides save and load the same engine's tensors, the same bytes:
 
@@ -95,12 +96,11 @@ class Workload:
 class Case:
     """What one engine measures: ``layout`` ("ddp" or "zero3") of the workload's model, at width
     ``d_model`` (None: the preset's); ``dcp``: the blocking save and load against DCP and the
-    bytes written; ``stall``: the asynchronous save against the copy."""
+    bytes written (False: the asynchronous save against the copy)."""
 
     layout: str
     d_model: int | None = None
     dcp: bool = False
-    stall: bool = False
 
     def name(self, w: Workload, world: int) -> str:
         return f"{self.layout} dp{world} gpt-{w.preset}" + (f" d{self.d_model}" if self.d_model else "")
@@ -108,8 +108,8 @@ class Case:
 
 def cases_of(layouts: tuple[str, ...], w: Workload) -> tuple[list[Case], list[Case]]:
     """The blocking pool's cases (against DCP) and the asynchronous pool's."""
-    widths = [Case(layout, width, stall=True) for layout, width in w.widths if layout in layouts]
-    return [Case(layout, dcp=True) for layout in layouts], [Case(layout, stall=True) for layout in layouts] + widths
+    widths = [Case(layout, width) for layout, width in w.widths if layout in layouts]
+    return [Case(layout, dcp=True) for layout in layouts], [Case(layout) for layout in layouts] + widths
 
 
 def _config(layout: str, world: int) -> dict[str, Any]:
@@ -294,7 +294,7 @@ def _measure(case: Case, w: Workload, root: Path) -> dict[str, Any]:
     times: dict[str, dict[str, list[float]]] = {}
     # saves and loads alternate; the asynchronous saves come after, one after another as in
     # training (a load in between would give every one of them a run's first save after resuming)
-    phases = ([rounds] if rounds else []) + ([{"async": {"tessera": stall, "copy": copy}}] if case.stall else [])
+    phases = ([rounds] if rounds else []) + ([] if case.dcp else [{"async": {"tessera": stall, "copy": copy}}])
     for phase in phases:
         for what, sides in phase.items():
             times[what] = {side: [] for side in sides}
