@@ -17,6 +17,7 @@ from typing import Any
 
 from safetensors.torch import load_file
 
+from tests.golden.numerics import numerics_class
 from tests.golden.record import hex_floats, weights_fingerprint
 
 NAME = "tessera-train-default-20-steps"
@@ -35,8 +36,9 @@ def definition() -> dict[str, Any]:
     return {"command": "tessera train " + " ".join(f"--set {o}" for o in OVERRIDES), "steps": STEPS}
 
 
-def compute(run_dir: Path, timeout: float = 300) -> dict[str, Any]:
-    """Run ``tessera train`` into ``run_dir`` and return its numbers."""
+def compute(run_dir: Path, timeout: float = 300) -> tuple[str, dict[str, Any]]:
+    """Run ``tessera train`` into ``run_dir``; return the numerics class (its ranks inherit this
+    process's environment, so they share its class) and the run's numbers."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(command(run_dir), capture_output=True, text=True, timeout=timeout, env=env)
     if out.returncode != 0:
@@ -45,7 +47,7 @@ def compute(run_dir: Path, timeout: float = 300) -> dict[str, Any]:
     steps = [m for m in lines if "final" not in m]
     assert [m["step"] for m in steps] == list(range(1, STEPS + 1)), [m["step"] for m in steps]
     final = [m for m in lines if "final" in m]
-    return {
+    return numerics_class(), {
         "losses": hex_floats([m["loss"] for m in steps]),
         "lrs": hex_floats([m["lr"] for m in steps]),
         "final_eval_losses": hex_floats([m["eval_loss"] for m in final]),

@@ -20,6 +20,7 @@ import tessera
 from tessera.checkpoint import full_state_dict
 from tessera.models import NextTokenLoss, gpt
 from tessera.testing import use_layout
+from tests.golden.numerics import numerics_class
 from tests.golden.record import hex_floats, weights_fingerprint
 
 STEPS = 8
@@ -104,8 +105,9 @@ def dataset() -> TensorDataset:
     return TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
 
-def train_golden(name: str) -> dict[str, Any]:
-    """Run ``RUNS[name]`` on every rank of the pool; every rank returns the numbers it saw."""
+def train_golden(name: str) -> tuple[str, dict[str, Any]]:
+    """Run ``RUNS[name]`` on every rank of the pool; every rank returns its numerics class and
+    the numbers it saw."""
     run = RUNS[name]
     use_layout(data=run.data, pipeline=run.pipeline, tensor=run.tensor, mode=run.mode, depth=run.depth,
                config=run.config())  # fmt: skip
@@ -122,11 +124,11 @@ def train_golden(name: str) -> dict[str, Any]:
         assert engine.last_grad_norm is not None, "clipping is on: the engine reports the norm"
         norms.append(engine.last_grad_norm)
     weights = weights_fingerprint(full_state_dict(model))
-    return {"losses": hex_floats(losses), "grad_norms": hex_floats(norms), "final_weights": weights}
+    return numerics_class(), {"losses": hex_floats(losses), "grad_norms": hex_floats(norms), "final_weights": weights}
 
 
-def compute(pools: Any, name: str) -> dict[str, Any]:
-    """The numbers of run ``name``, checked to be the same on every rank."""
+def compute(pools: Any, name: str) -> tuple[str, dict[str, Any]]:
+    """The numerics class and the numbers of run ``name``, checked to be the same on every rank."""
     results = pools.run(RUNS[name].ranks, train_golden, name, timeout=300)
     for rank, result in enumerate(results[1:], start=1):
         assert result == results[0], f"golden run {name!r}: rank {rank} reports other numbers than rank 0"
