@@ -289,6 +289,10 @@ def table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "scenarios", False):  # the planner's own speed, no ranks
+        from tessera.bench.plan_speed import main as scenarios_main
+
+        return scenarios_main(args)
     layouts = LAYOUTS
     if getattr(args, "only", None):
         from tessera.errors import ConfigError

@@ -111,7 +111,8 @@ BENCH_HELP: dict[str, str] = {
     "and time to first token of the OpenAI server under 8 concurrent streaming clients, 1 process and 1 rank "
     "(about 20 s); needs the hf and serve extras and httpx",
     "plan": "the planner's predicted peak memory and step time against measurement for 24 layouts of GPT small, "
-    "2, 4 and 8 ranks (about 10 min; --calibrate ranks the step times, about 2 min more)",
+    "2, 4 and 8 ranks (about 10 min; --calibrate ranks the step times, about 2 min more); --scenarios: how long "
+    "planning the At-scale scenarios takes, against the 10 s bar and one estimate (about 2 min)",
     "moe": "the MoE GPT (tiny-moe) under expert parallelism (ep1 and ep2 on 2 ranks, ep2 on 4) vs a dense GPT of "
     "the same active parameters and DeepSpeed-MoE: step time, tokens/s, parameters, losses (about 2 min); the "
     "DeepSpeed rows need the bench extra",
@@ -137,7 +138,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise NotAvailableError(f"no benchmark named {args.target!r}; available: {known}")
     if getattr(args, "tokens", None) is not None and args.target != "tp":
         raise ConfigError(f"--tokens applies to `tessera bench tp` only, not {args.target!r}")
-    for flag in ("calibrate", "only"):
+    for flag in ("calibrate", "only", "scenarios"):
         if getattr(args, flag, None) and args.target != "plan":
             raise ConfigError(f"--{flag} applies to `tessera bench plan` only, not {args.target!r}")
     print(f"tessera bench {args.target}: {BENCH_HELP[args.target]}", file=sys.stderr, flush=True)
@@ -236,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="plan: measure this machine first and rank the predicted step times against the measured ones",
     )
     bench.add_argument("--only", default=None, help="plan: comma-separated indices of the layouts to measure")
+    bench.add_argument(
+        "--scenarios",
+        action="store_true",
+        help="plan: time the planner on the At-scale scenarios (70B on 1,024 GPUs and the 64-GPU paper settings) "
+        "instead of measuring layouts",
+    )
     bench.set_defaults(func=_cmd_bench)
 
     ckpt.add_parser(sub)

@@ -1,12 +1,10 @@
 """The At-scale scenarios (docs/planner.md): a 70B LLaMA-shaped model on 1,024 simulated A100s, and
 the Colossal-AI paper's 64-GPU ViT and GPT-3 settings. The best layout fits, beats the baselines
 (pure ZeRO-3, pure 1D tensor parallelism, the layouts reported for the setting) by predicted step
-time or they do not fit, and the table says why. Planning the 70B case takes under 10 s (the
-issue's bound; the search is built to take much less)."""
+time or they do not fit, and the table says why. How long planning takes is measured by
+`tessera bench plan --scenarios` (docs/benchmarks.md), not asserted here."""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 
@@ -15,17 +13,13 @@ from tessera.planner.search import Plan
 
 
 @pytest.fixture(scope="module")
-def plans() -> dict[str, tuple[Plan, float]]:
-    out = {}
-    for name, scenario in SCENARIOS.items():
-        start = time.perf_counter()
-        out[name] = (scenario.run(), time.perf_counter() - start)
-    return out
+def plans() -> dict[str, Plan]:
+    return {name: scenario.run() for name, scenario in SCENARIOS.items()}
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_the_best_layout_fits_and_beats_every_baseline(plans, name):
-    result, _ = plans[name]
+    result = plans[name]
     best = result.best
     assert best.fits and best.memory.peak <= result.cluster.device_memory
     assert best.layout.world == result.cluster.devices and best.layout.global_batch == result.workload.global_batch
@@ -40,7 +34,7 @@ def test_the_best_layout_fits_and_beats_every_baseline(plans, name):
 
 
 def test_the_70b_plan_shows_why_it_beats_pure_zero3_and_pure_1d(plans):
-    result, _ = plans["llama70b-1024"]
+    result = plans["llama70b-1024"]
     reasons = dict(r.split(": ", 1) for r in result.reasons(0) if r.startswith("vs pure"))
     tp = next(label for label in result.baselines if label.startswith("pure 1D"))
     assert not result.baselines[tp].fits and reasons[f"vs {tp}"].startswith("fits (")  # 70B does not fit 8 ways
@@ -49,20 +43,15 @@ def test_the_70b_plan_shows_why_it_beats_pure_zero3_and_pure_1d(plans):
     assert "across nodes" in reasons["vs pure ZeRO-3"]  # ZeRO-3's gathers cross InfiniBand
 
 
-def test_planning_the_70b_model_on_1024_gpus_takes_under_10_s(plans):
-    _, seconds = plans["llama70b-1024"]
-    assert seconds < 10, f"planning llama:70b on 1,024 GPUs took {seconds:.1f} s"
-
-
 def test_the_paper_layouts_are_shown_beside_ours(plans):
     for name in ("colossal-vit-64", "colossal-gpt3-64"):
-        result, _ = plans[name]
+        result = plans[name]
         table = result.table()
         for label in result.reported:
             shown = [line for line in table.splitlines() if f"[{label}]" in line]
             assert len(shown) == 1, label
             assert shown[0].startswith("paper") or shown[0].split()[0].isdigit()  # below the ranking, or in it
-    vit, _ = plans["colossal-vit-64"]
+    vit = plans["colossal-vit-64"]
     modes = {vit.baselines[f"paper: {m}"].layout.tensor_mode for m in ("1D tp64", "2D tp64", "2.5D tp64 d4", "3D tp64")}
     assert modes == {"1d", "2d", "2.5d", "3d"}
 
