@@ -61,8 +61,9 @@ def pytest_ignore_collect(collection_path, config):
 
 @pytest.fixture(scope="session")
 def pools():
-    """``pools.run(world_size, fn, *args)`` runs ``fn`` on every rank of a kept-alive pool."""
-    pool_set = PoolSet()
+    """``pools.run(world_size, fn, *args)`` runs ``fn`` on every rank of a kept-alive pool (forked
+    from a server that imported torch once: a replaced pool costs a fork per rank)."""
+    pool_set = PoolSet(start_method="forkserver")
     yield pool_set
     pool_set.close()
 

@@ -1,7 +1,11 @@
 """A pool of ranks kept alive across many tests.
 
 Starting a world of processes costs seconds (each imports torch), so a test suite starts one
-pool per world size and sends each test body to it. A body is a module-level function that runs
+pool per world size and sends each test body to it. With ``start_method="forkserver"`` the ranks
+are forked from a server process that imported torch and tessera once, so that a new or
+replaced pool costs a fork per rank instead of an import (the test suite's pools); the default,
+``"spawn"``, starts each rank from nothing (the benchmarks, whose memory baselines and timings
+were measured that way). A body is a module-level function that runs
 on every rank; its return values come back as a list indexed by rank. An exception on any rank
 fails the call and names the rank; a body that does not finish in time fails the call naming
 the ranks still running. After either, the pool is marked broken (its process group may hold
@@ -65,14 +69,25 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any, con
         pass
 
 
+START_METHODS = ("spawn", "forkserver")
+#: what the fork server imports once, before it forks any rank
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "tessera", "tessera.testing"]
+
+
 class RankPool:
     """``world_size`` processes joined in one gloo process group, waiting for test bodies."""
 
-    def __init__(self, world_size: int, *, config: Any = None, start_timeout: float = 180.0) -> None:
+    def __init__(
+        self, world_size: int, *, config: Any = None, start_timeout: float = 180.0, start_method: str = "spawn"
+    ) -> None:
+        if start_method not in START_METHODS:
+            raise ValueError(f"RankPool: start_method must be one of {START_METHODS}, got {start_method!r}")
         self.world_size = world_size
         self.broken = False
         self._task_id = 0
-        context = mp.get_context("spawn")
+        context: Any = mp.get_context(start_method)  # SpawnContext or ForkServerContext
+        if start_method == "forkserver":  # takes effect when the server starts, once per process
+            context.set_forkserver_preload(FORKSERVER_PRELOAD)
         port = free_port()
         self._results = context.Queue()
         self._tasks = [context.Queue() for _ in range(world_size)]
@@ -166,8 +181,9 @@ class RankPool:
 class PoolSet:
     """One live pool per world size, replaced when broken."""
 
-    def __init__(self, config: Any = None) -> None:
+    def __init__(self, config: Any = None, *, start_method: str = "spawn") -> None:
         self.config = config
+        self.start_method = start_method
         self._pools: dict[int, RankPool] = {}
 
     def get(self, world_size: int) -> RankPool:
@@ -175,7 +191,7 @@ class PoolSet:
         if pool is None or pool.broken:
             if pool is not None:
                 pool.close()
-            pool = RankPool(world_size, config=self.config)
+            pool = RankPool(world_size, config=self.config, start_method=self.start_method)
             self._pools[world_size] = pool
         return pool
 

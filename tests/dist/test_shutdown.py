@@ -51,7 +51,7 @@ def body_train_then_shut_down() -> dict:
 
 
 def test_shutdown_frees_every_group_and_joins_their_threads():
-    pool = RankPool(4)  # its own pool: the ranks leave their process group
+    pool = RankPool(4, start_method="forkserver")  # its own pool: the ranks leave their process group
     try:
         results = pool.run(body_train_then_shut_down, timeout=300)
     finally:
