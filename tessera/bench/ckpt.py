@@ -66,12 +66,16 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tessera.bench.pools import rank_pool
 from tessera.bench.report import Row, print_rows, write_rows
 from tessera.bench.timing import time_block
+
+if TYPE_CHECKING:
+    from tessera.testing import PoolSet
 
 LAYOUTS = ("ddp", "zero3")
 ANCHOR = "torch.distributed.checkpoint"
@@ -349,12 +353,17 @@ def rows_of(results: list[dict[str, Any]]) -> list[Row]:
 
 
 def run(
-    ranks: int = 4, layouts: tuple[str, ...] = LAYOUTS, w: Workload | None = None, root: str | None = None
+    ranks: int = 4,
+    layouts: tuple[str, ...] = LAYOUTS,
+    w: Workload | None = None,
+    root: str | None = None,
+    pools: PoolSet | None = None,
 ) -> list[Row]:
     """Rows for every layout in ``layouts``: blocking save and load against DCP on ``ranks``
     ranks, the asynchronous save (also at the workload's other widths) on ``w.stall_ranks``;
     the checkpoints go under a new temporary folder in ``root`` (default: the system's
-    temporary folder), removed at the end."""
+    temporary folder), removed at the end. Each on a fresh pool, or on ``pools``'
+    (:func:`~tessera.bench.pools.rank_pool`)."""
     unknown = sorted(set(layouts) - set(LAYOUTS))
     if unknown:
         raise ValueError(f"unknown layout(s) {', '.join(unknown)}; layouts: {', '.join(LAYOUTS)}")
@@ -364,7 +373,8 @@ def run(
     results: list[dict[str, Any]] = []
     try:
         for world, cases in zip((ranks, stall_ranks), cases_of(layouts, w)):
-            results += _on_pool(world, cases, w, folder)
+            with rank_pool(world, pools) as pool:
+                results += pool.run(rank_body, cases, w, folder, timeout=1800)[0]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     for r in results:
@@ -374,16 +384,6 @@ def run(
                      f"model + optimizer state {r['state_bytes']:,} bytes")  # fmt: skip
         print(text, file=sys.stderr)
     return rows_of(results)
-
-
-def _on_pool(world: int, cases: list[Case], w: Workload, folder: str) -> list[dict[str, Any]]:
-    from tessera.testing import RankPool
-
-    pool = RankPool(world)
-    try:
-        return list(pool.run(rank_body, cases, w, folder, timeout=1800)[0])
-    finally:
-        pool.close()
 
 
 def main(args: argparse.Namespace) -> int:

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from tessera.bench.pools import rank_pool
 from tessera.bench.report import Row, print_rows, write_rows
 from tessera.bench.timing import alternate
+
+if TYPE_CHECKING:
+    from tessera.testing import PoolSet
 
 
 def _rank_body(preset: str, micro_batch: int, seq_len: int, blocks: int, steps_per_block: int) -> dict[str, Any]:
@@ -56,15 +60,17 @@ def _rank_body(preset: str, micro_batch: int, seq_len: int, blocks: int, steps_p
 
 
 def run(
-    ranks: int = 4, preset: str = "tiny", micro_batch: int = 8, seq_len: int = 128, blocks: int = 24, steps: int = 3
+    ranks: int = 4,
+    preset: str = "tiny",
+    micro_batch: int = 8,
+    seq_len: int = 128,
+    blocks: int = 24,
+    steps: int = 3,
+    pools: PoolSet | None = None,
 ) -> list[Row]:
-    from tessera.testing import RankPool
-
-    pool = RankPool(ranks)
-    try:
+    """The rows on a fresh pool of ``ranks`` ranks, or on ``pools``' (:func:`~tessera.bench.pools.rank_pool`)."""
+    with rank_pool(ranks, pools) as pool:
         times = pool.run(_rank_body, preset, micro_batch, seq_len, blocks, steps, timeout=1800)[0]
-    finally:
-        pool.close()
     ours, theirs = statistics.median(times["tessera"]), statistics.median(times["ddp"])
     samples = micro_batch * ranks
     name = f"dp{ranks} gpt-{preset} b{micro_batch}x{seq_len}"

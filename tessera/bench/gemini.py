@@ -34,16 +34,20 @@ import statistics
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tessera.bench.gemini_budget import BudgetRun, budget_rows
 from tessera.bench.gemini_common import deepspeed_offload, peak_growth
 from tessera.bench.gemini_largest import Largest, largest_rows
+from tessera.bench.pools import rank_pool
 from tessera.bench.report import Row, print_rows, write_rows
 from tessera.bench.timing import alternate
 from tessera.bench.zero_sides import LossFn, StepFn, Workload, batches_of, deepspeed_available, model_of
+
+if TYPE_CHECKING:
+    from tessera.testing import PoolSet
 
 _MIB = 2**20
 
@@ -179,28 +183,22 @@ def memory_body(side: Side, w: Workload, steps: int) -> int | None:
 def run(
     w: Workload | None = None, world: int = 2, blocks: int = 6, steps: int = 2, memory_steps: int = 3,
     rows_wanted: tuple[str, ...] = ("cpu", "nvme"), losses: dict[str, float] | None = None,
+    pools: PoolSet | None = None,
 ) -> list[Row]:  # fmt: skip
-    """Step time and peak RSS rows for each wanted row ("cpu", "nvme")."""
-    from tessera.testing import RankPool
-
+    """Step time and peak RSS rows for each wanted row ("cpu", "nvme"), each measurement on a
+    fresh pool, or on ``pools``' (:func:`~tessera.bench.pools.rank_pool`)."""
     w = w or Workload("small", 64, 4)
     rows: list[Row] = []
     for key in rows_wanted:
         pair = ROWS[key]
-        pool = RankPool(world)
-        try:
+        with rank_pool(world, pools) as pool:
             out = pool.run(timing_body, pair, w, blocks, steps, timeout=3600)[0]
-        finally:
-            pool.close()
         if losses is not None:
             losses.update(out["losses"])
         peaks = {}
         for side in pair:
-            pool = RankPool(world)
-            try:
+            with rank_pool(world, pools) as pool:
                 grown = pool.run(memory_body, side, w, memory_steps, timeout=1800)
-            finally:
-                pool.close()
             if all(g is not None for g in grown):
                 peaks[side.label] = max(g for g in grown if g is not None)
         ours, theirs = pair

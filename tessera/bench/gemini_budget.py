@@ -9,12 +9,16 @@ import dataclasses
 import gc
 import tempfile
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tessera.bench.pools import rank_pool
 from tessera.bench.report import Row
 from tessera.bench.zero_sides import Workload, batches_of
+
+if TYPE_CHECKING:
+    from tessera.testing import PoolSet
 
 _MIB = 2**20
 
@@ -109,16 +113,13 @@ def reference_body(run: BudgetRun) -> dict[str, Any]:
     return {"losses": losses, "activation_bytes": activations}
 
 
-def budget_rows(run: BudgetRun) -> tuple[list[Row], dict[str, Any]]:
-    from tessera.testing import RankPool
-
+def budget_rows(run: BudgetRun, pools: PoolSet | None = None) -> tuple[list[Row], dict[str, Any]]:
+    """The budget row, and what it is made of: each side in a fresh process, or in ``pools``'
+    one-rank pool (:func:`~tessera.bench.pools.rank_pool`)."""
     outcome: dict[str, Any] = {}
     for name, body in (("gemini", budget_body), ("reference", reference_body)):
-        pool = RankPool(1)  # a fresh process each: its own baseline and peak
-        try:
+        with rank_pool(1, pools) as pool:  # a fresh process each: its own baseline and peak
             outcome[name] = pool.run(body, run, timeout=1800)[0]
-        finally:
-            pool.close()
     ours = outcome["gemini"]
     activations = outcome["reference"]["activation_bytes"]  # measured in plain PyTorch
     bound = ours["baseline"] + 1.25 * run.host_budget + activations

@@ -17,11 +17,15 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tessera.bench.pools import rank_pool
 from tessera.bench.report import Row
+
+if TYPE_CHECKING:
+    from tessera.testing import PoolSet
 
 _MIB = 2**20
 
@@ -90,20 +94,19 @@ def fits_body(system: str, search: Largest, n_layers: int) -> int | None:
             return None
 
 
-def largest(system: str, search: Largest, world: int = 2) -> tuple[int, dict[int, int | None]]:
+def largest(
+    system: str, search: Largest, world: int = 2, pools: PoolSet | None = None
+) -> tuple[int, dict[int, int | None]]:
     """The parameters of the largest GPT ``system`` trains within the budget, and the peak
-    growth measured at each size tried."""
-    from tessera.testing import RankPool
-
+    growth measured at each size tried: each size on a fresh pool, or on ``pools``'
+    (:func:`~tessera.bench.pools.rank_pool`)."""
     best, seen = 0, {}
     for n_layers in search.layers:
-        pool = RankPool(world)
-        try:
-            grown = pool.run(fits_body, system, search, n_layers, timeout=1800)
-        except Exception:  # a rank died (the system ran out of memory): too large
-            grown = [None]
-        finally:
-            pool.close()
+        with rank_pool(world, pools) as pool:
+            try:
+                grown = pool.run(fits_body, system, search, n_layers, timeout=1800)
+            except Exception:  # a rank died (the system ran out of memory): too large
+                grown = [None]
         peak = None if any(g is None for g in grown) else max(g for g in grown if g is not None)
         seen[n_layers] = peak
         if peak is None or peak > search.budget:

@@ -47,16 +47,20 @@ import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from tessera.bench.checks import agreed, loss_gaps
+from tessera.bench.pools import rank_pool
 from tessera.bench.report import Row, print_rows, write_rows
 from tessera.bench.timing import alternate
 from tessera.bench.zero_sides import deepspeed_available
 from tessera.errors import NotAvailableError
+
+if TYPE_CHECKING:
+    from tessera.testing import PoolSet
 
 StepFn = Callable[[torch.Tensor, torch.Tensor], float]
 
@@ -268,22 +272,19 @@ def run(
     steps: int = 3,
     with_deepspeed: bool | None = None,
     report: dict[str, Any] | None = None,
+    pools: PoolSet | None = None,
 ) -> list[Row]:
-    """The rows of ``w`` (default :class:`Workload`). ``report``, when given, receives the loss
+    """The rows of ``w`` (default :class:`Workload`), on a fresh pool or on ``pools``'
+    (:func:`~tessera.bench.pools.rank_pool`). ``report``, when given, receives the loss
     trajectories (``losses``), each anchor's largest relative loss difference (``worst``) and
     why an anchor could not run (``errors``)."""
-    from tessera.testing import RankPool
-
     if importlib.util.find_spec("transformers") is None:
         raise NotAvailableError("tessera bench hf trains a transformers model: pip install 'tessera[hf]'")
     w = w or Workload()
     if with_deepspeed is None:
         with_deepspeed = deepspeed_available()
-    pool = RankPool(w.ranks)
-    try:
+    with rank_pool(w.ranks, pools) as pool:
         result = pool.run(_rank_body, w, blocks, steps, with_deepspeed, timeout=3600)[0]
-    finally:
-        pool.close()
     worst = check_losses(result["losses"])
     if report is not None:
         report.update(losses=result["losses"], worst=worst, errors=result["errors"])

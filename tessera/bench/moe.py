@@ -55,16 +55,20 @@ import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tessera.bench.checks import agreed, loss_gaps
+from tessera.bench.pools import rank_pool
 from tessera.bench.report import Row, print_rows, write_rows
 from tessera.bench.timing import alternate
 from tessera.bench.zero_sides import deepspeed_available
 from tessera.context import ParallelContext
 from tessera.models.gpt import GPTConfig, preset_config
+
+if TYPE_CHECKING:
+    from tessera.testing import PoolSet
 
 StepFn = Callable[[torch.Tensor, torch.Tensor], float]
 
@@ -304,28 +308,25 @@ def run(
     steps: int = 3,
     with_deepspeed: bool | None = None,
     report: dict[str, dict[str, Any]] | None = None,
+    pools: PoolSet | None = None,
 ) -> list[Row]:
-    """The rows of every layout (one rank pool per world size). ``with_deepspeed`` defaults to
+    """The rows of every layout (one rank pool per world size: a fresh one, or ``pools``';
+    :func:`~tessera.bench.pools.rank_pool`). ``with_deepspeed`` defaults to
     whether DeepSpeed is installed. ``report``, when given, receives per layout name its block
     times, loss trajectories, parameter counts, why DeepSpeed could not run (``errors``), its
     largest relative loss difference from tessera's MoE (``worst``) and the world size."""
-    from tessera.testing import RankPool
-
     w = w or Workload()
     if with_deepspeed is None:
         with_deepspeed = deepspeed_available()
     rows: list[Row] = []
     for ranks in dict.fromkeys(layout.ranks for layout in layouts):
-        pool = RankPool(ranks)
-        try:
+        with rank_pool(ranks, pools) as pool:
             for layout in (x for x in layouts if x.ranks == ranks):
                 result = pool.run(_rank_body, layout, w, blocks, steps, with_deepspeed, timeout=1800)[0]
                 worst = check_losses(result["losses"])
                 rows += rows_of(layout, w, result)
                 if report is not None:
                     report[f"{layout.name} {w.tag}"] = {**result, "worst": worst, "ranks": layout.ranks}
-        finally:
-            pool.close()
     return rows
 
 

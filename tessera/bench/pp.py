@@ -28,12 +28,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from tessera.bench.pools import rank_pool
 from tessera.bench.report import Row, print_rows, write_rows
 from tessera.bench.timing import alternate
 
 if TYPE_CHECKING:
     from tessera.context import ParallelContext
     from tessera.parallel.pipeline.runtime import PipelineRuntime
+    from tessera.testing import PoolSet
 
 CLASSES = 10
 
@@ -211,13 +213,13 @@ def run(
     bubble_microbatches: int = 4,
     bubble_unit_s: float = 0.05,
     bubble_repeats: int = 3,
+    pools: PoolSet | None = None,
 ) -> list[Row]:
-    from tessera.testing import RankPool
-
+    """The rows of every schedule on every world size in ``ranks`` (default 2 and 4), each world
+    size on a fresh pool, or on ``pools``' (:func:`~tessera.bench.pools.rank_pool`)."""
     rows: list[Row] = []
     for world_size in ranks or [2, 4]:
-        pool = RankPool(world_size)
-        try:
+        with rank_pool(world_size, pools) as pool:
             for schedule in schedules:
                 times = pool.run(
                     _rank_body, schedule, hidden, layers, micro_batch, microbatches, blocks, steps, timeout=900
@@ -241,8 +243,6 @@ def run(
                             predicted_bubble(schedule, world_size, m),
                         )
                     )
-        finally:
-            pool.close()
     return rows
 
 

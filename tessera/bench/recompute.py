@@ -12,11 +12,15 @@ from __future__ import annotations
 import argparse
 import statistics
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tessera.bench.pools import rank_pool
 from tessera.bench.report import Row, print_rows, write_rows
+
+if TYPE_CHECKING:
+    from tessera.testing import PoolSet
 
 BATCH, SEQ = 4, 256
 MODES = ("none", "full", "selective")
@@ -71,14 +75,17 @@ def body(blocks: int, steps: int, preset: str = "small", batch: int = BATCH, seq
     return {"saved": saved, "times": {m: statistics.median(t) for m, t in times.items()}}
 
 
-def run(blocks: int = 6, steps: int = 2, preset: str = "small", batch: int = BATCH, seq: int = SEQ) -> list[Row]:
-    from tessera.testing import RankPool
-
-    pool = RankPool(1)
-    try:
+def run(
+    blocks: int = 6,
+    steps: int = 2,
+    preset: str = "small",
+    batch: int = BATCH,
+    seq: int = SEQ,
+    pools: PoolSet | None = None,
+) -> list[Row]:
+    """The rows, measured in a fresh process, or in ``pools``' one-rank pool (:func:`~tessera.bench.pools.rank_pool`)."""
+    with rank_pool(1, pools) as pool:
         out = pool.run(body, blocks, steps, preset, batch, seq, timeout=1800)[0]
-    finally:
-        pool.close()
     rows = []
     name = f"recompute gpt-{preset} b{batch}x{seq}"
     for mode in ("full", "selective"):

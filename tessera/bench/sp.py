@@ -24,12 +24,17 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tessera.bench.pools import rank_pool
 from tessera.bench.report import Row, print_rows, write_rows
+
+if TYPE_CHECKING:
+    from tessera.testing import PoolSet
 
 _MIB = 2**20
 
@@ -132,22 +137,21 @@ def _longest(seen: dict[int, int | None], budget: int) -> int:
     return max(fits) if fits else 0
 
 
-def longest_rows(search: Search = SEARCH) -> tuple[list[Row], dict[str, dict[int, int | None]]]:
-    from tessera.testing import RankPool
-
+def longest_rows(
+    search: Search = SEARCH, pools: PoolSet | None = None
+) -> tuple[list[Row], dict[str, dict[int, int | None]]]:
+    """The ``longest`` rows and the growth per length tried of every side, on fresh pools of 1, 2
+    and 4 ranks, or on ``pools``' (:func:`~tessera.bench.pools.rank_pool`)."""
     found: dict[str, dict[int, int | None]] = {}
-    pools = {n: RankPool(n) for n in (1, 2, 4)}
-    try:
+    with ExitStack() as stack:
+        pool_of = {n: stack.enter_context(rank_pool(n, pools)) for n in (1, 2, 4)}
         for ranks in (1, 2, 4):
             sides = [("sp", mode) for mode in (MODES if ranks > 1 else ("plain",))]
             sides += [("tp", "1d-sp")] if ranks > 1 else []
             for system, mode in sides:
                 label = f"{system} {mode} x{ranks}" if ranks > 1 else "one rank"
-                found[label] = pools[ranks].run(longest_body, system, mode, ranks, search, timeout=3600)[0]
+                found[label] = pool_of[ranks].run(longest_body, system, mode, ranks, search, timeout=3600)[0]
                 print(f"  {label}: longest {_longest(found[label], search.budget)}", flush=True)
-    finally:
-        for pool in pools.values():
-            pool.close()
     one = _longest(found["one rank"], search.budget)
     rows = []
     for ranks in (2, 4):
@@ -216,14 +220,13 @@ def speed_body(blocks: int, steps: int, length: int = SPEED_LENGTH) -> dict[str,
     return {"times": times, "note": note}
 
 
-def speed_rows(blocks: int = 6, steps: int = 2, length: int = SPEED_LENGTH) -> tuple[list[Row], str]:
-    from tessera.testing import RankPool
-
-    pool = RankPool(2)
-    try:
+def speed_rows(
+    blocks: int = 6, steps: int = 2, length: int = SPEED_LENGTH, pools: PoolSet | None = None
+) -> tuple[list[Row], str]:
+    """The ``forward`` row (absent where torch's context_parallel does not run here, the reason
+    returned), on a fresh pool of 2 ranks or on ``pools``' (:func:`~tessera.bench.pools.rank_pool`)."""
+    with rank_pool(2, pools) as pool:
         out = pool.run(speed_body, blocks, steps, length, timeout=1800)[0]
-    finally:
-        pool.close()
     times = {name: statistics.median(values) for name, values in out["times"].items()}
     rows = []
     if "torch context_parallel" in times:

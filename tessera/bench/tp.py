@@ -22,14 +22,18 @@ import argparse
 import re
 import statistics
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from tessera.bench.pools import rank_pool
 from tessera.bench.report import Row, print_rows, write_rows
 from tessera.bench.timing import alternate
 from tessera.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tessera.testing import PoolSet
 
 HIDDEN = 1024
 HEADS = 16
@@ -265,11 +269,11 @@ def run(
     steps: int = 2,
     ranks: int | None = None,
     tokens: list[int] | None = None,
+    pools: PoolSet | None = None,
 ) -> list[Row]:
     """The default table (``tokens`` None: ``[batch, seq]``), or the sweep over ``tokens`` (each
-    a multiple of ``seq``) with its crossover rows."""
-    from tessera.testing import RankPool
-
+    a multiple of ``seq``) with its crossover rows. Each world size runs on a fresh pool, or on
+    ``pools``' (:func:`~tessera.bench.pools.rank_pool`)."""
     cases = CASES if tokens is None else SWEEP
     sizes = [batch * seq] if tokens is None else sorted(tokens)
     for count in sizes:
@@ -279,15 +283,12 @@ def run(
     for world in (4, 8):
         if ranks is not None and world != ranks:
             continue
-        pool = RankPool(world)
-        try:
+        with rank_pool(world, pools) as pool:
             for count in sizes:
                 n_blocks, n_steps = (blocks, steps) if tokens is None else _timing(count, blocks, steps)
                 shared = pool if count <= 1024 else None
                 measured = _measure(cases, world, count // seq, seq, n_blocks, n_steps, shared)
                 rows += _rows(measured, world, count // seq, seq, params=count == sizes[0])
-        finally:
-            pool.close()
     return rows if tokens is None else rows + crossover_rows(rows)
 
 

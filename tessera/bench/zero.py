@@ -55,10 +55,15 @@ from __future__ import annotations
 import argparse
 import statistics
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from tessera.bench.pools import rank_pool
 from tessera.bench.report import Row, print_rows, write_rows
 from tessera.bench.zero_ranks import memory_body, timing_body
 from tessera.bench.zero_sides import GROUPS, Side, Workload, deepspeed_available, sides_of
+
+if TYPE_CHECKING:
+    from tessera.testing import PoolSet
 
 MEMORY_METRICS = {"setup": "peak_rss_setup_bytes", "train": "peak_rss_train_bytes"}
 
@@ -75,27 +80,28 @@ class Result:
 
 
 def measure(
-    world_size: int, groups: list[str], w: Workload, blocks: int, steps: int, memory_steps: int, with_deepspeed: bool
+    world_size: int,
+    groups: list[str],
+    w: Workload,
+    blocks: int,
+    steps: int,
+    memory_steps: int,
+    with_deepspeed: bool,
+    pools: PoolSet | None = None,
 ) -> Result:
-    from tessera.testing import RankPool
-
+    """Time the groups' sides on one pool and measure each side's memory on a fresh pool of its
+    own; with ``pools``, all of it on ``pools``' pool (:func:`~tessera.bench.pools.rank_pool`)."""
     result = Result({}, {}, {}, {})
-    pool = RankPool(world_size)
-    try:
+    with rank_pool(world_size, pools) as pool:
         for group in groups:
             out = pool.run(timing_body, sides_of(group, with_deepspeed), w, blocks, steps, timeout=1800)[0]
             result.times.update(out["times"])
             result.losses.update(out["losses"])
             result.names.update(out["names"])
-    finally:
-        pool.close()
     for group in groups:
         for side in sides_of(group, with_deepspeed):
-            pool = RankPool(world_size)  # fresh processes: see the module docstring
-            try:
+            with rank_pool(world_size, pools) as pool:  # fresh processes: see the module docstring
                 grown = pool.run(memory_body, side, w, memory_steps, timeout=900)
-            finally:
-                pool.close()
             if all(g is not None for g in grown):  # the largest over the ranks
                 result.memory[side.label] = {k: max(g[k] for g in grown if g is not None) for k in MEMORY_METRICS}
     return result
@@ -132,10 +138,12 @@ def run(
     memory_steps: int = 3,
     with_deepspeed: bool | None = None,
     losses: dict[str, float] | None = None,
+    pools: PoolSet | None = None,
 ) -> list[Row]:
     """Rows for every row group on every world size in ``ranks`` (default 4). ``with_deepspeed``
     defaults to whether DeepSpeed is installed. ``losses``, when given, receives each side's loss
-    on one micro-batch after training, keyed ``"<label> dpN"`` (the sides should agree)."""
+    on one micro-batch after training, keyed ``"<label> dpN"`` (the sides should agree).
+    ``pools``: run everything on its pools instead of fresh ones (:func:`measure`)."""
     unknown = sorted(set(groups) - set(GROUPS))
     if unknown:
         raise ValueError(f"unknown row group(s) {', '.join(unknown)}; groups: {', '.join(GROUPS)}")
@@ -144,7 +152,7 @@ def run(
     w = Workload(preset, seq_len, micro_batch, dtype)
     rows: list[Row] = []
     for world_size in ranks or [4]:
-        result = measure(world_size, list(groups), w, blocks, steps, memory_steps, with_deepspeed)
+        result = measure(world_size, list(groups), w, blocks, steps, memory_steps, with_deepspeed, pools)
         rows += rows_of(world_size, list(groups), w, result, with_deepspeed)
         if losses is not None:
             losses.update({f"{label} dp{world_size}": value for label, value in result.losses.items()})

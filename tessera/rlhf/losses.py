@@ -169,7 +169,11 @@ def ppo_value_loss(
 
     With ``clip_value=None`` it is ``0.5 * masked_mean((values - returns)**2)``. ``old_values`` and
     ``returns`` are detached, so the gradient reaches ``values`` only. ``stats["clipfrac"]``: the
-    detached fraction of real tokens where the clipped error is the larger (0 without clipping)."""
+    detached fraction of real tokens where the clip took effect (``|values - old_values| > c``)
+    and the clipped error is the larger (0 without clipping). TRL and PPO2 count
+    ``clipped > unclipped`` alone; inside the clip range ``V_clip`` equals ``values`` only up to
+    rounding, so theirs also counts tokens where the rounding of ``old_values + (values -
+    old_values)`` happens to land farther from the return, and varies with the CPU's kernels."""
     check_per_token(
         "ppo_value_loss", ("values", values), ("old_values", old_values), ("returns", returns), ("mask", mask)
     )
@@ -186,7 +190,8 @@ def ppo_value_loss(
     clipped = (clipped_values - returns).square()
     loss = 0.5 * masked_mean(torch.maximum(unclipped, clipped), mask)
     with torch.no_grad():
-        clipfrac = masked_mean((clipped > unclipped).to(values.dtype), mask)
+        took_effect = (values - old_values).abs() > clip_value
+        clipfrac = masked_mean((took_effect & (clipped > unclipped)).to(values.dtype), mask)
     return loss, {"clipfrac": clipfrac}
 
 

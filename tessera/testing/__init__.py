@@ -1,4 +1,5 @@
-"""Helpers for testing parallel code: rank pools and cached layouts inside them."""
+"""Helpers for testing parallel code: rank pools, cached layouts inside them, and tolerances for
+comparing a result computed two ways."""
 
 from __future__ import annotations
 
@@ -13,7 +14,16 @@ import torch.distributed as dist
 from tessera.config import load_config, parallel_dims
 from tessera.context import ParallelContext, ParallelDims
 from tessera.session import set_session
+from tessera.testing.draws import (
+    Draw,
+    assert_draws_clear,
+    greedy_draws,
+    recorded_draws,
+    recorded_routes,
+    route_draws,
+)
 from tessera.testing.pool import PoolSet, RankFailure, RankPool, free_port
+from tessera.testing.tolerance import tolerance, within
 
 # (job ranks, or None for the whole job; layout; device) -> the context, None on a rank outside
 _contexts: dict[tuple[tuple[int, ...] | None, ParallelDims, torch.device], ParallelContext | None] = {}
@@ -126,4 +136,18 @@ def use_layout(
     return ctx
 
 
-__all__ = ["PoolSet", "RankFailure", "RankPool", "free_port", "use_layout"]
+__all__ = [
+    "Draw",
+    "PoolSet",
+    "RankFailure",
+    "RankPool",
+    "assert_draws_clear",
+    "free_port",
+    "greedy_draws",
+    "recorded_draws",
+    "recorded_routes",
+    "route_draws",
+    "tolerance",
+    "use_layout",
+    "within",
+]

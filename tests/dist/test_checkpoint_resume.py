@@ -1,11 +1,10 @@
-"""Sharded checkpoints resume bitwise: train 10 steps, save, train 10 more; in fresh processes,
-load and train the same 10: the losses and the final full state dicts are identical, bit for
-bit. Dropout is on and the sampler shuffles, so the random states and the data position must
-both come back (the test fails if either does not)."""
+"""Sharded checkpoints resume bitwise: train 3 steps, save, train 3 more; in fresh processes,
+load and train the same 3: the losses and the final full state dicts are identical, bit for
+bit. Dropout is on, the sampler shuffles and the learning rate steps down during the resumed
+steps, so the random states, the data position and the scheduler must all come back (the test
+fails if the random states or the data position do not)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +19,9 @@ from tessera.testing import use_layout
 SEQ = 16
 GLOBAL_BATCH = 8
 BUCKET_MB = 0.016  # several chunks for the small GPT
+# steps before the save and after it: the StepLR below (step_size 4) lowers the rate in the
+# resumed steps, so its state must come back too
+BEFORE, AFTER = 3, 3
 
 
 def build(dropout: float = 0.1):
@@ -81,9 +83,9 @@ def run_and_save(config: dict, path: str, optimizer_name: str = "adamw"):
     engine, loader, scheduler = setup(config, optimizer_name=optimizer_name)
     loader.sampler.set_epoch(0)
     it = iter(loader)
-    steps(engine, it, scheduler, 10)
+    steps(engine, it, scheduler, BEFORE)
     save(path, engine, dataloader=loader)
-    losses = steps(engine, it, scheduler, 10)
+    losses = steps(engine, it, scheduler, AFTER)
     state = full_state_dict(engine.model)
     return (losses, state) if engine.ctx.rank == 0 else None
 
@@ -92,8 +94,8 @@ def resume(config: dict, path: str, optimizer_name: str = "adamw"):
     engine, loader, scheduler = setup(config, optimizer_name=optimizer_name)
     torch.manual_seed(1234)  # whatever the process drew before: the checkpoint's states win
     step = load(path, engine, dataloader=loader)
-    assert step == 10
-    losses = steps(engine, iter(loader), scheduler, 10)
+    assert step == BEFORE
+    losses = steps(engine, iter(loader), scheduler, AFTER)
     state = full_state_dict(engine.model)
     return (losses, state) if engine.ctx.rank == 0 else None
 
@@ -118,11 +120,27 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(pools, tmp_path_factory):
+    """``uninterrupted(case, optimizer_name)``: the checkpoint's path and the uninterrupted run's
+    losses and final state, run once per module (the bitwise and the control tests share them)."""
+    runs: dict[tuple[str, str], tuple[str, tuple]] = {}
+
+    def get(case: str, optimizer_name: str = "adamw") -> tuple[str, tuple]:
+        if (case, optimizer_name) not in runs:
+            ranks, config = CASES[case]
+            path = str(tmp_path_factory.mktemp(f"{case}-{optimizer_name}") / "ckpt")
+            result = pools.run(ranks, run_and_save, config, path, optimizer_name, timeout=600)[0]
+            runs[case, optimizer_name] = path, result
+        return runs[case, optimizer_name]
+
+    return get
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_resume_is_bitwise(pools, tmp_path: Path, case: str):
+def test_resume_is_bitwise(pools, uninterrupted, case: str):
     ranks, config = CASES[case]
-    path = str(tmp_path / "ckpt")
-    expected_losses, expected_state = pools.run(ranks, run_and_save, config, path, timeout=600)[0]
+    path, (expected_losses, expected_state) = uninterrupted(case)
     pools.get(ranks).close()  # the resumed run starts in fresh processes
     losses, state = pools.run(ranks, resume, config, path, timeout=600)[0]
     assert losses == expected_losses
@@ -132,11 +150,10 @@ def test_resume_is_bitwise(pools, tmp_path: Path, case: str):
 
 
 @pytest.mark.parametrize("optimizer_name", ["lamb", "lars"])
-def test_resume_with_lamb_and_lars_under_zero2_is_bitwise(pools, tmp_path: Path, optimizer_name: str):
+def test_resume_with_lamb_and_lars_under_zero2_is_bitwise(pools, uninterrupted, optimizer_name: str):
     """LAMB's and LARS's states (their sharded pieces) come back too."""
     ranks, config = CASES["zero2-dp2"]
-    path = str(tmp_path / "ckpt")
-    expected_losses, expected_state = pools.run(ranks, run_and_save, config, path, optimizer_name, timeout=600)[0]
+    path, (expected_losses, expected_state) = uninterrupted("zero2-dp2", optimizer_name)
     losses, state = pools.run(ranks, resume, config, path, optimizer_name, timeout=600)[0]
     assert losses == expected_losses
     for key in state:
@@ -151,16 +168,15 @@ def resume_without(config: dict, path: str, what: str):
     if what == "rng":
         torch.manual_seed(99)
         engine.ctx.rng._states = {}
-    losses = steps(engine, iter(loader), scheduler, 10)
+    losses = steps(engine, iter(loader), scheduler, AFTER)
     return losses if engine.ctx.rank == 0 else None
 
 
 @pytest.mark.parametrize("what", ["rng", "data"])
-def test_resume_depends_on_rng_and_data_position(pools, tmp_path: Path, what: str):
+def test_resume_depends_on_rng_and_data_position(pools, uninterrupted, what: str):
     """The bitwise test can fail: without the random states or the data position, the resumed
     losses differ from the uninterrupted run's."""
     ranks, config = CASES["zero2-dp2"]
-    path = str(tmp_path / "ckpt")
-    expected_losses, _ = pools.run(ranks, run_and_save, config, path, timeout=600)[0]
+    path, (expected_losses, _) = uninterrupted("zero2-dp2")
     losses = pools.run(ranks, resume_without, config, path, what, timeout=600)[0]
     assert losses != expected_losses

@@ -19,7 +19,7 @@ from tessera.checkpoint import full_state_dict, load_full_state_dict
 from tessera.context.placement import placement_of
 from tessera.memory.chunks import ChunkState
 from tessera.models import NextTokenLoss
-from tessera.testing import use_layout
+from tessera.testing import tolerance, use_layout
 from tests.dist.test_zero import GLOBAL_BATCH, build, dataset, make_config
 
 STEPS = 4
@@ -233,7 +233,7 @@ def test_hugging_face_model_saved_under_zero3_reloads_in_one_process(pools, tmp_
     with torch.no_grad(), autocast(dtype, torch.device("cpu")):
         again = reloaded(x).logits.float()
     if dtype == "fp32":
-        torch.testing.assert_close(again, logits, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(again, logits, **tolerance(blocks=2))  # the same weights, another forward
     else:  # bf16 parameters, computed under autocast as the engine did
         assert reloaded.dtype == torch.bfloat16
         torch.testing.assert_close(again, logits, rtol=0, atol=1e-2)

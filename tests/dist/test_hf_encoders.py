@@ -1,8 +1,8 @@
 """Unmodified transformers encoders (BERT with its masked-LM head tied to the word embedding,
 bias included; ViT on synthetic images) under 1D tensor parallelism by their tessera.hf
 policies, with and without sequence-parallel regions and beside data parallelism: 10 AdamW
-steps give the losses and the weights of plain single-process transformers (fp32, 1e-5),
-compared through the Hugging Face state-dict keys. Also: BERT with padded sequences (an
+steps give the losses and the weights of plain single-process transformers (fp32,
+``tessera.testing.tolerance``), compared through the Hugging Face state-dict keys. Also: BERT with padded sequences (an
 attention mask) and token types, the classifiers and the base model (pooler left whole), and a
 ViT whose sequence the tensor size does not divide refused at initialize."""
 
@@ -18,9 +18,11 @@ import transformers
 import tessera
 from tessera.checkpoint import full_state_dict
 from tessera.errors import ConfigError
+from tessera.testing import tolerance
 from tests.dist.test_hf_tensor import LAYOUTS, layout
 
 STEPS = 10
+TOL = tolerance(blocks=2, steps=STEPS)  # build(): 2 layers
 BATCH, SEQ, VOCAB, HIDDEN = 8, 16, 67, 32  # the vocabulary does not divide the tensor size
 MASK_ID, MASKED = 3, 4  # each sequence has MASKED positions to predict (equal counts: dp halves average)
 IMAGE, PATCH, CLASSES = 6, 2, 5  # 1 + 3 * 3 = 10 tokens per image
@@ -158,10 +160,10 @@ def train(family: str, tensor: int, data: int, sequence_parallel: bool):
 def check_against_reference(family: str, results) -> None:
     expected_losses, expected = reference(family)
     for losses, state, keys, facts in results:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), **TOL)
         assert set(state) == set(keys) == set(expected)
         for key, value in expected.items():
-            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: key + m)
+            torch.testing.assert_close(state[key], value, **TOL, msg=lambda m, key=key: key + m)
         assert facts["optimizer_has_the_model"]
 
 

@@ -1,18 +1,55 @@
 """Unmodified transformers encoders (BERT with its masked-LM head tied to the word embedding,
 bias included, padding, token types, its classifiers and base model; ViT on synthetic images)
-in the grid tensor modes by their tessera.hf policies: 10 AdamW steps give the losses and the
-weights of plain single-process transformers (fp32, 1e-5) through the Hugging Face keys; under
-bf16 (autocast, fp32 masters) the losses stay within 2e-2 of fp32 transformers'."""
+in the grid tensor modes by their tessera.hf policies: 4 AdamW steps give the losses and the
+weights of plain single-process transformers (fp32, ``tessera.testing.tolerance``) through the
+Hugging Face keys; under bf16 (autocast, fp32 masters) the losses stay within 2e-2 of fp32
+transformers'."""
 
 from __future__ import annotations
 
+from functools import cache
+
 import pytest
+import torch
 
 import tessera
 from tessera.checkpoint import full_state_dict
-from tessera.testing import use_layout
-from tests.dist.test_hf_encoders import batches, build, check_against_reference, loss_of, optimizer_of, reference
+from tessera.testing import tolerance, use_layout
+from tests.dist.test_hf_encoders import batches, build, loss_of, optimizer_of
 from tests.dist.test_hf_grid import LAYOUTS
+
+STEPS = 4  # the first of test_hf_encoders' batches: a few AdamW steps reach every path of the step
+TOL = tolerance(blocks=2, steps=STEPS)  # build(): 2 layers
+
+
+def steps(family: str) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+    """The first ``STEPS`` of ``family``'s batches: the model's positional inputs and the targets."""
+    return batches(family)[:STEPS]
+
+
+@cache
+def reference(family: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process transformers on :func:`steps` (once per family: the tests share it)."""
+    model = build(family)
+    optimizer = optimizer_of(model)
+    losses = []
+    for inputs, y in steps(family):
+        optimizer.zero_grad()
+        loss = loss_of(model(*inputs), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def check_against_reference(family: str, results) -> None:
+    expected_losses, expected = reference(family)
+    for losses, state, keys, facts in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), **TOL)
+        assert set(state) == set(keys) == set(expected)
+        for key, value in expected.items():
+            torch.testing.assert_close(state[key], value, **TOL, msg=lambda m, key=key: key + m)
+        assert facts["optimizer_has_the_model"]
 
 
 def train(family: str, tensor: int, mode: str, depth: int, dtype: str = "fp32"):
@@ -25,7 +62,7 @@ def train(family: str, tensor: int, mode: str, depth: int, dtype: str = "fp32"):
     optimizer = optimizer_of(model)
     engine, *_ = tessera.initialize(model, optimizer, loss_of)
     losses = []
-    for inputs, y in batches(family):
+    for inputs, y in steps(family):
         engine.zero_grad()
         loss = loss_of(engine(*inputs), y)
         engine.backward(loss)

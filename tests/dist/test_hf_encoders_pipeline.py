@@ -4,7 +4,7 @@ classifier (the pooler on the last stage; a padding mask and token types reachin
 dict micro-batches), the base model (hidden states and pooler output as the last stage's output)
 and ViT on synthetic images (its classifier on the class token), under pp2 with 1F1B and pp2 x
 tp2 (1d) x dp2. 10 AdamW steps give the losses and the weights of plain single-process
-transformers (fp32, 1e-5), compared through the Hugging Face state-dict keys."""
+transformers (fp32, ``tessera.testing.tolerance``), compared through the Hugging Face state-dict keys."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 import tessera
 from tessera.checkpoint import full_state_dict
 from tessera.testing import use_layout
-from tests.dist.test_hf_encoders import BATCH, batches, build, loss_of, optimizer_of, reference
+from tests.dist.test_hf_encoders import BATCH, TOL, batches, build, loss_of, optimizer_of, reference
 
 MICRO = 4  # micro-batches per step: one row each on a replica of pp2 x tp2 x dp2
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
@@ -62,15 +62,15 @@ def test_an_encoder_trains_through_pipeline_stages_as_in_one_process(pools, fami
     results = pools.run(pipeline * tensor * data, train, family, pipeline, tensor, data, timeout=300)
     for losses, state, keys, strategy in results:
         assert strategy.startswith("pipeline(1f1b)")
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), **TOL)
         assert set(state) == set(keys) == set(expected)
         for key, value in expected.items():
-            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: key + m)
+            torch.testing.assert_close(state[key], value, **TOL, msg=lambda m, key=key: key + m)
 
 
 def test_a_base_encoder_hands_on_its_hidden_states_and_pooler_output(pools):
     expected_losses, expected = reference("bert-base")
     for losses, state, _, _ in pools.run(2, train, "bert-base", 2, 1, 1):
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), **TOL)
         for key, value in expected.items():
-            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: key + m)
+            torch.testing.assert_close(state[key], value, **TOL, msg=lambda m, key=key: key + m)

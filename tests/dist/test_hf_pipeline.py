@@ -1,7 +1,7 @@
 """Unmodified transformers models (GPT-2 with its head tied to the embedding across stages;
 LLaMA with grouped-query attention and rotary embeddings) through pipeline stages by their
 tessera.hf policies: pp2 with 1F1B, and pp2 x tp2 (1d) x dp2. 10 AdamW steps give the losses and
-the weights of plain single-process transformers (fp32, 1e-5), compared through the Hugging
+the weights of plain single-process transformers (fp32, ``tessera.testing.tolerance``), compared through the Hugging
 Face state-dict keys. A padded attention mask (dict micro-batches) reaches every stage. Under
 bf16 (autocast, fp32 masters) the losses stay within 2e-2 of fp32's."""
 
@@ -13,7 +13,7 @@ import torch
 import tessera
 from tessera.checkpoint import full_state_dict
 from tessera.testing import use_layout
-from tests.dist.test_hf_tensor import BATCH, batches, build, loss_of, optimizer_of, reference
+from tests.dist.test_hf_tensor import BATCH, TOL, batches, build, loss_of, optimizer_of, reference
 
 MICRO = 4  # micro-batches per step
 
@@ -74,10 +74,10 @@ def test_a_transformers_model_trains_through_pipeline_stages_as_in_one_process(p
     expected_losses, expected = reference(family)
     for losses, state, keys, strategy in pools.run(pipeline * tensor * data, train, family, pipeline, tensor, data):
         assert strategy.startswith("pipeline(1f1b)")
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), **TOL)
         assert set(state) == set(keys) == set(expected)
         for key, value in expected.items():
-            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: key + m)
+            torch.testing.assert_close(state[key], value, **TOL, msg=lambda m, key=key: key + m)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -86,9 +86,9 @@ def test_a_padded_attention_mask_reaches_every_stage(pools, family):
     unmasked, _ = reference(family)
     assert abs(expected_losses[0] - unmasked[0]) > 1e-3  # the mask changes the answer
     for losses, state, _, _ in pools.run(2, train, family, 2, 1, 1, True):
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), **TOL)
         for key, value in expected.items():
-            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: key + m)
+            torch.testing.assert_close(state[key], value, **TOL, msg=lambda m, key=key: key + m)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])

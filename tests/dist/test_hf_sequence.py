@@ -1,7 +1,7 @@
 """An unmodified transformers LLaMA (grouped-query attention, rotary embeddings) under sequence
 parallelism by its tessera.hf policy, in each sequence mode (ring self-attention, ring attention
 with online softmax on the zigzag layout, all-to-all): 10 AdamW steps on two ranks' tokens give
-the losses and the weights of plain single-process transformers (fp32, 1e-5), and attention
+the losses and the weights of plain single-process transformers (fp32, ``tessera.testing.tolerance``), and attention
 crossed the sequence axis. A model with a sliding window is refused."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tessera.checkpoint import full_state_dict
 from tessera.errors import ConfigError
 from tessera.parallel.sequence import MODES
 from tessera.testing import use_layout
-from tests.dist.test_hf_tensor import batches, build, loss_of, optimizer_of, reference
+from tests.dist.test_hf_tensor import TOL, batches, build, loss_of, optimizer_of, reference
 
 
 def layout(mode: str):
@@ -40,10 +40,10 @@ def train(mode: str):
 def test_llama_trains_over_the_sequence_axis_as_in_one_process(pools, mode):
     expected_losses, expected = reference("llama")
     for losses, state in pools.run(2, train, mode, timeout=300):
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), **TOL)
         assert set(state) == set(expected)
         for key, value in expected.items():
-            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: key + m)
+            torch.testing.assert_close(state[key], value, **TOL, msg=lambda m, key=key: key + m)
 
 
 def refused() -> str:

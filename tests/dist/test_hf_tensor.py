@@ -1,7 +1,7 @@
 """Unmodified transformers models (GPT-2; LLaMA with grouped-query attention) under 1D tensor
 parallelism by their tessera.hf policy, with and without sequence-parallel regions and beside
 data parallelism: 10 AdamW steps give the losses and the weights of plain single-process
-transformers (fp32, 1e-5), compared through the Hugging Face state-dict keys. A model whose
+transformers (fp32, ``tessera.testing.tolerance``), compared through the Hugging Face state-dict keys. A model whose
 heads do not divide the tensor size, and a model without a policy, fail at initialize naming
 the class, the rule and the layouts that work."""
 
@@ -15,9 +15,10 @@ import transformers
 import tessera
 from tessera.checkpoint import full_state_dict
 from tessera.errors import ConfigError
-from tessera.testing import use_layout
+from tessera.testing import tolerance, use_layout
 
 STEPS = 10
+TOL = tolerance(blocks=2, steps=STEPS)  # build(): 2 layers
 BATCH, SEQ, VOCAB = 8, 16, 67  # the vocabulary does not divide the tensor size
 
 
@@ -107,10 +108,10 @@ def test_a_transformers_model_trains_as_in_one_process(pools, family, layout):
     for losses, state, keys, split in pools.run(tensor * data, train, family, tensor, data, sp, timeout=300):
         assert "ColumnParallel" in split and "RowParallel" in split and "VocabEmbedding" in split
         assert ("SequenceParallelNorm" in split) == sp
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), **TOL)
         assert set(state) == set(keys) == set(expected)
         for key, value in expected.items():
-            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: key + m)
+            torch.testing.assert_close(state[key], value, **TOL, msg=lambda m, key=key: key + m)
 
 
 def refused(kind: str) -> str:

@@ -1,6 +1,6 @@
 """Generation with the paged KV cache under tensor (1d) and pipeline parallelism.
 
-Greedy decoding of 64 tokens for a batch of prompts of different lengths gives exactly the
+Greedy decoding of 24 tokens for a batch of prompts of different lengths gives exactly the
 tokens of the reference: Hugging Face ``generate`` (left-padded batch, its own KV cache) for
 GPT-2 and LLaMA (grouped-query attention, rotary embeddings), and a plain single-process loop
 (the whole sequence through the model for every token) for tessera's GPT. Each rank builds its
@@ -20,11 +20,11 @@ import torch
 
 import tessera
 from tessera.models.gpt import gpt
-from tessera.testing import use_layout
+from tessera.testing import assert_draws_clear, greedy_draws, recorded_draws, use_layout
 
 transformers = pytest.importorskip("transformers")
 
-NEW = 64  # generated tokens per prompt
+NEW = 24  # generated tokens per prompt: up to 36 positions, 5 KV blocks of 8
 VOCAB = 67
 PROMPTS = [[5, 9, 2, 33, 61, 7, 1, 14, 3, 8, 40, 22], [17, 4, 4, 50], [3], [60, 12, 9, 31, 2, 26, 11]]
 GPT_FIELDS = dict(vocab_size=VOCAB, max_seq_len=96, d_model=32, n_layers=3, n_heads=4)
@@ -56,26 +56,33 @@ def gpt_reference() -> torch.nn.Module:
 
 
 def hf_generate(model, prompts: list[list[int]]) -> list[list[int]]:
-    """transformers' greedy ``generate`` on the left-padded batch (no end-of-sequence stop)."""
+    """transformers' greedy ``generate`` on the left-padded batch (no end-of-sequence stop), each
+    of its choices checked to win by more than the logits' rounding (3 blocks) could move."""
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
         out = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-    return out[:, width:].tolist()
+            input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0,
+            output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    assert_draws_clear([d for step in out.logits for d in greedy_draws(step)], blocks=3)
+    return out.sequences[:, width:].tolist()
 
 
 def plain_loop(model, prompts: list[list[int]]) -> list[list[int]]:
-    """Greedy decoding without a cache: the whole sequence through the model for each token."""
-    outs = []
+    """Greedy decoding without a cache: the whole sequence through the model for each token, each
+    choice checked to win by more than the logits' rounding (3 blocks) could move."""
+    outs, draws = [], []
     with torch.no_grad():
         for prompt in prompts:
             seq = list(prompt)
             for _ in range(NEW):
-                seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+                logits = model(torch.tensor([seq]))[0, -1]
+                draws += greedy_draws(logits)
+                seq.append(int(logits.argmax()))
             outs.append(seq[len(prompt) :])
+    assert_draws_clear(draws, blocks=3)
     return outs
 
 
@@ -165,7 +172,10 @@ def continuous(saved: dict[str, Path]) -> tuple[list[list[int]], list[list[int]]
     together = [r.tokens for r in engine.generate(prompts, params, arrivals=arrivals)]
     used = engine.kv_blocks_used if ctx.rank == 0 else 0
     steps = engine.steps
-    alone = [engine.generate([p], [s])[0].tokens for p, s in zip(prompts, params)]
+    with recorded_draws() as draws:  # batched otherwise, so rounded otherwise: no choice too close to call
+        alone = [engine.generate([p], [s])[0].tokens for p, s in zip(prompts, params)]
+    if draws:  # the rank that samples
+        assert_draws_clear(draws, blocks=3)
     return together, alone, used, steps
 
 
@@ -183,8 +193,13 @@ def seeded(saved: dict[str, Path]) -> tuple[list[int], list[int], list[list[int]
 
     ctx = use_layout(pipeline=2, tensor=1, data=1)  # sampled on the last stage's rank
     engine = engine_for("gpt2", saved, ctx)
-    params = SamplingParams(max_tokens=20, temperature=0.9, top_k=20, top_p=0.9, seed=11)
-    alone = engine.generate([PROMPTS[1]], params)[0].tokens
+    # seed 25: every draw clear of a tie by over 1e-3 in logits (seed 11 had a drawn token 3e-5 from
+    # its neighbour in the sorted top-k, which one rounding could swap)
+    params = SamplingParams(max_tokens=20, temperature=0.9, top_k=20, top_p=0.9, seed=25)
+    with recorded_draws() as draws:  # batched otherwise below: no draw too close to call
+        alone = engine.generate([PROMPTS[1]], params)[0].tokens
+    if draws:  # the rank that samples
+        assert_draws_clear(draws, blocks=3)
     others = SamplingParams(max_tokens=20, temperature=1.0, seed=5)
     together = engine.generate(PROMPTS[:3], [others, params, others])[1].tokens
     unseeded = engine.generate([PROMPTS[1]] * 2, SamplingParams(max_tokens=20, temperature=1.0))

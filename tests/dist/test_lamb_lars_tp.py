@@ -17,7 +17,7 @@ from tessera.comm.group import single_rank_group
 from tessera.context.placement import Placement, ShardSpec, ZeroSlot, placement_of, set_placement
 from tessera.models import NextTokenLoss, gpt
 from tessera.optim import LAMB, LARS, whole_sq_norms
-from tessera.testing import use_layout
+from tessera.testing import tolerance, use_layout, within
 
 OPTIMIZERS = {
     "lamb": (LAMB, dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01)),
@@ -110,7 +110,8 @@ def test_zero_like_pieces_step_like_one_process(pools, name):
     assert sorted({s for slots in held for s in slots}) == list(range(len(expected)))
     for params, _ in results:
         for k, (got, want) in enumerate(zip(params, expected)):
-            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=f"parameter {k}")
+            # small_model(): about one block's depth; the norms summed in another order
+            torch.testing.assert_close(got, want, **tolerance(steps=PIECE_STEPS), msg=f"parameter {k}")
     # Norms of the pieces alone (no sum over the data axis) give a different trajectory.
     local = pools.run(4, body_pieces, name, True)[0][0]
     assert max(float((a - b).abs().max()) for a, b in zip(local, expected)) > 1e-4
@@ -153,8 +154,9 @@ def test_whole_sq_norms_sum_zero_pieces_then_tensor_blocks(pools):
     assert [sorted(r) for r in results] == [[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2], [0, 1, 2]]
     for got in results:
         for slot, (weights, tripled) in got.items():
-            assert weights == pytest.approx(expected[slot], rel=1e-6), slot
-            assert tripled == pytest.approx(9 * expected[slot], rel=1e-6), slot
+            # fp32 sums of at most 24 squares, then over the ranks, against the exact one
+            assert within(weights, expected[slot], depth=24 + 2), slot
+            assert within(tripled, 9 * expected[slot], depth=24 + 3), slot
 
 
 # ---- (b) tensor parallelism tp2 x dp2 through the engine -------------------------------------------
@@ -200,8 +202,9 @@ def test_tp2_dp2_trains_like_one_process(pools, gpt_references, name):
     results = pools.run(4, train_gpt, name, 2, 2, timeout=600)
     for losses, state, sharded in results:
         assert sharded > 0, "the tensor-parallel layers hold blocks"
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=0)
+        tol = tolerance(blocks=2, steps=TP_STEPS)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **tol)
         assert state.keys() == ref_state.keys()
         for key in ref_state:
-            torch.testing.assert_close(state[key], ref_state[key], rtol=1e-6, atol=1e-6, msg=key)
+            torch.testing.assert_close(state[key], ref_state[key], **tol, msg=key)
     assert ref_losses[-1] < ref_losses[0], "the reference learns"

@@ -1,6 +1,7 @@
-"""The GPT's MoE preset trained 20 steps with its experts spread over 2 ranks, with data, 1D
+"""The GPT's MoE preset trained 6 steps with its experts spread over 2 ranks, with data, 1D
 tensor and pipeline parallelism beside them, against single-process training of the same
-micro-batches (fp32, 1e-5): losses every step and every final weight.
+micro-batches (fp32, ``tessera.testing.tolerance``): losses every step, every final weight, and
+the first step's dropped assignments (no token of it near a tie between experts).
 
 A data-parallel rank's micro-batch is routed on its own (capacity, drops and auxiliary losses
 per micro-batch), so the single-process reference accumulates the gradients of the same
@@ -9,6 +10,7 @@ micro-batches, in one process, through the engine: the semantics of gradient acc
 from __future__ import annotations
 
 import math
+from functools import cache
 
 import pytest
 import torch
@@ -19,9 +21,10 @@ from tessera.checkpoint import full_state_dict
 from tessera.models import NextTokenLoss, gpt
 from tessera.nn.moe import take_routing_counts
 from tessera.parallel.experts import is_expert
-from tessera.testing import use_layout
+from tessera.testing import assert_draws_clear, recorded_routes, tolerance, use_layout
 
-STEPS, GLOBAL_BATCH, SEQ = 20, 8, 16
+# a handful of AdamW steps reach every path (the first step, bias correction, accumulated states)
+STEPS, GLOBAL_BATCH, SEQ = 6, 8, 16
 
 
 def build() -> torch.nn.Module:
@@ -52,9 +55,7 @@ def train(layout: dict, microbatches: int, zero: int = 0, optim: str = "adamw", 
             "data": data,
             "expert": layout.get("expert", 1),
             "tensor": layout.get("tensor", 1),
-            "pipeline": {"size": pipeline, "schedule": "1f1b", "microbatches": microbatches}
-            if pipeline > 1
-            else 1,
+            "pipeline": {"size": pipeline, "schedule": "1f1b", "microbatches": microbatches} if pipeline > 1 else 1,
         },
         "gradient_accumulation": 1 if pipeline > 1 else microbatches,
         "zero": {"stage": zero},
@@ -74,15 +75,22 @@ def train(layout: dict, microbatches: int, zero: int = 0, optim: str = "adamw", 
         with comm.ledger() as ledger:
             losses.append(engine.train_batch(iter(micro_batches(s, d, data, microbatches))))
         norms.append(engine.last_grad_norm)  # the clipped gradient's norm before clipping
-        first_step = ledger if s == 0 else first_step
-    dropped = sum(n for _, n in take_routing_counts(model).values())
+        if s == 0:  # the first step's all-to-alls and dropped assignments
+            exchanged = ledger.summary().get(("all_to_all", "expert"))
+            dropped = sum(n for _, n in take_routing_counts(model).values())
     final = full_state_dict(model)
-    exchanged = first_step.summary().get(("all_to_all", "expert"))
     stepped = {True: 0, False: 0}  # elements this rank's optimizer steps: expert, other
     for group in engine.optimizer.param_groups:
         for p in group["params"]:
             stepped[is_expert(p)] += p.numel()
     return losses, dropped, (initial, final) if ctx.rank == 0 else None, exchanged, norms, stepped
+
+
+@cache
+def single_process(microbatches: int, optim: str, clip: float | None) -> tuple:
+    """The same micro-batches accumulated in one process (once per module for the layouts that
+    share them)."""
+    return train({}, microbatches, 0, optim, clip)
 
 
 LAYOUTS = {
@@ -105,19 +113,28 @@ def test_moe_gpt_trains_to_the_single_process_answer(pools, name):
     zero, optim = sharded or (0, "adamw")
     data = layout["data"]
     clip = 0.5 if zero else None  # below most steps' gradient norms
-    reference = train({}, data * m, 0, optim, clip)  # the same micro-batches, accumulated in one process
+    reference = single_process(data * m, optim, clip)  # the same micro-batches, accumulated in one process
+    # the first step's drops are compared: no token of its micro-batches near a tie between experts
+    # (top-2, served in order of choice), so every layout routes them alike. Later steps' routing
+    # is not compared: after a few steps some tokens lie within the tolerance of a tie
+    with recorded_routes() as routes:
+        first = build()
+        for x, _ in micro_batches(0, 0, 1, data * m):
+            first(x)
+    assert_draws_clear(routes, blocks=2)
+    tol = tolerance(blocks=2, steps=STEPS)
     results = pools.run(ranks, train, layout, m, zero, optim, clip, timeout=600)
-    losses, dropped, (initial, final), _, norms, _ = results[0]
+    losses, _, (initial, final), _, norms, _ = results[0]
     ref_losses, ref_dropped, (ref_initial, ref_final), _, ref_norms, ref_stepped = reference
     assert ref_dropped > 0, "capacity drops were exercised"
-    # the same assignments dropped: every tensor rank routes alike, each stage counts its layers
+    # the first step's assignments dropped alike: every tensor rank routes alike, each stage counts its layers
     assert sum(r[1] for r in results) == ref_dropped * layout.get("tensor", 1)
     for key in ref_initial:
         assert torch.equal(initial[key], ref_initial[key]), key
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **tol)
     assert all(r[0] == losses for r in results), "every rank reports the same loss"
     if clip is not None:  # each whole parameter counted once: experts, their ZeRO pieces and tensor blocks
-        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), **tol)
         assert sum(n > clip for n in ref_norms) > STEPS // 2, "clipping scaled most steps"
     if zero and set(layout) == {"data", "expert"}:  # ZeRO: each element stepped by one rank only
         expert_numel = sum(p.numel() for n, p in build().named_parameters() if ".experts." in n)
@@ -125,7 +142,7 @@ def test_moe_gpt_trains_to_the_single_process_answer(pools, name):
         assert sum(r[5][False] for r in results) == sum(ref_stepped.values()) - expert_numel > 0
     assert final.keys() == ref_final.keys()
     for key in ref_final:
-        torch.testing.assert_close(final[key], ref_final[key], rtol=1e-5, atol=1e-5, msg=key)
+        torch.testing.assert_close(final[key], ref_final[key], **tol, msg=key)
 
 
 def test_the_ledger_counts_the_formulas_all_to_all_bytes(pools):
@@ -170,8 +187,10 @@ def test_the_trainer_logs_each_experts_load_over_the_global_batch_and_plots_it(p
     use_layout(config={})
     model = build()
     x = tokens()[:, :-1]
-    for d in range(layout["data"]):
-        model(x[d : GLOBAL_BATCH : layout["data"]])
+    with recorded_routes() as routes:
+        for d in range(layout["data"]):
+            model(x[d : GLOBAL_BATCH : layout["data"]])
+    assert_draws_clear(routes, blocks=2)  # no token near a tie between experts: the same counts
     expected = {name: counts.tolist() for name, (counts, _) in take_routing_counts(model).items()}
     assert history[0]["moe_tokens_per_expert"] == expected
     layers, top_k = 2, 2
@@ -182,7 +201,7 @@ def test_the_trainer_logs_each_experts_load_over_the_global_batch_and_plots_it(p
     assert plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"
 
 
-BEFORE, AFTER = 4, 3
+BEFORE, AFTER = 3, 3  # within the STEPS steps of tokens()
 
 
 def train_with_checkpoint(layout: dict, zero: int, path: str, resume: bool) -> tuple | None:
@@ -207,9 +226,7 @@ def train_with_checkpoint(layout: dict, zero: int, path: str, resume: bool) -> t
     return (losses, final) if ctx.rank == 0 else None
 
 
-@pytest.mark.parametrize(
-    "target", [(dict(data=4, expert=4), 0), (dict(data=4, expert=1), 3)], ids=["ep4", "ep1-zero3"]
-)
+@pytest.mark.parametrize("target", [(dict(data=4, expert=4), 0), (dict(data=4, expert=1), 3)], ids=["ep4", "ep1-zero3"])
 def test_an_ep2_zero2_checkpoint_resumes_under_other_expert_layouts(pools, tmp_path, target):
     """Saved with the experts spread over 2 ranks and ZeRO-2 sharding them over the other 2
     (optimizer states included), it loads with one expert per rank, or with every expert on
@@ -219,6 +236,7 @@ def test_an_ep2_zero2_checkpoint_resumes_under_other_expert_layouts(pools, tmp_p
     expected = pools.run(4, train_with_checkpoint, dict(data=4, expert=2), 2, path, False, timeout=600)[0]
     layout, zero = target
     losses, final = pools.run(4, train_with_checkpoint, layout, zero, path, True, timeout=600)[0]
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected[0]), rtol=1e-5, atol=0)
+    tol = tolerance(blocks=2, steps=BEFORE + AFTER)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected[0]), **tol)
     for key in expected[1]:
-        torch.testing.assert_close(final[key], expected[1][key], rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(final[key], expected[1][key], **tol, msg=key)

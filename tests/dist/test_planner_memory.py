@@ -18,9 +18,9 @@ def saved_per_block(layout_fields: dict, batch: int, seq: int) -> tuple[int, int
     """Bytes one forward keeps for the backward: (per block, outside the blocks), from a GPT of
     one block and one of two, under ``layout``."""
     import tessera
+    from tessera.bench.plan import use_planned_layout
     from tessera.models import NextTokenLoss, gpt
     from tessera.nn.recompute import kept_for_backward
-    from tessera.bench.plan import use_planned_layout
 
     use_planned_layout(Layout(**layout_fields))
     saved = {}

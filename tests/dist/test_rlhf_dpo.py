@@ -1,6 +1,8 @@
 """DPO under data parallelism with ZeRO-2 (2 ranks, each its half of the pairs), and under 1D
 tensor parallelism (vocabulary-parallel log-probs, policy and reference split), takes the same
-steps as one process accumulating the same halves (fp32, 1e-5): losses, margins and weights."""
+steps as one process accumulating the same halves (fp32, ``tessera.testing.tolerance``): losses,
+margins and weights. The accuracy (the pairs with a positive margin, which one rounding can flip)
+is not compared; tests/unit/test_rlhf_dpo.py checks it."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from tessera.checkpoint import full_state_dict
 from tessera.inference.text import ByteTokenizer
 from tessera.models import gpt
 from tessera.rlhf import DPOOptions, DPOTrainer, PreferenceDataset, load_preferences, sorting_files
-from tessera.testing import use_layout
+from tessera.testing import tolerance, use_layout, within
 
 STEPS, PAIRS = 4, 8  # pairs per step, over all ranks
 
@@ -46,8 +48,9 @@ def test_dpo_takes_the_single_process_steps(pools, layout):
     expected_history, expected_state = train(1, 0)
     history, state = pools.run(2, train, *layout, timeout=600)[0]
     for got, want in zip(history, expected_history):
-        for key in want:
-            assert abs(got[key] - want[key]) <= 1e-5 * max(1.0, abs(want[key])), (key, got, want)
+        assert got.keys() == want.keys()
+        for key in want.keys() - {"accuracy"}:
+            assert within(got[key], want[key], blocks=2, steps=STEPS), (key, got, want)
     assert expected_history[-1]["margin"] > 0
     for key in expected_state:
-        torch.testing.assert_close(state[key], expected_state[key], rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(state[key], expected_state[key], **tolerance(blocks=2, steps=STEPS), msg=key)

@@ -1,7 +1,9 @@
 """SFT and the reward model under data parallelism with ZeRO-2 (2 ranks, each its half of the
 examples) and under 1D tensor parallelism (SFT on vocabulary-parallel log-probs; the reward
 model's backbone split, its head replicated) take the same steps as one process accumulating
-the same halves (fp32, 1e-5): losses, statistics and weights."""
+the same halves (fp32, ``tessera.testing.tolerance``): losses, statistics and weights. The reward
+model's accuracy (the pairs ranked right, which one rounding can flip) is not compared;
+tests/unit/test_rlhf_sft_rm.py checks it."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from tessera.rlhf import PreferenceDataset, SFTDataset, load_preferences, sft_fr
 from tessera.rlhf.models import value_model
 from tessera.rlhf.reward import RewardOptions, RewardTrainer
 from tessera.rlhf.sft import SFTTrainer
-from tessera.testing import use_layout
+from tessera.testing import tolerance, use_layout, within
 
 STEPS, ROWS = 3, 8  # examples (SFT) or pairs (reward model) per step, over all ranks
 
@@ -67,8 +69,9 @@ def test_sft_and_the_reward_model_take_the_single_process_steps(pools, kind, lay
     history, state, split = pools.run(2, train, kind, *layout, timeout=300)[0]
     assert split == (layout[2] == 2)  # tp2 splits the backbone (and the SFT GPT's head: vocabulary-parallel logits)
     for got, want in zip(history, expected_history, strict=True):
-        for key in want:
-            assert abs(got[key] - want[key]) <= 1e-5 * max(1.0, abs(want[key])), (key, got, want)
+        assert got.keys() == want.keys()
+        for key in want.keys() - {"accuracy"}:
+            assert within(got[key], want[key], blocks=2, steps=STEPS), (key, got, want)
     assert expected_history[-1]["loss"] < expected_history[0]["loss"]
     for key in expected_state:
-        torch.testing.assert_close(state[key], expected_state[key], rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(state[key], expected_state[key], **tolerance(blocks=2, steps=STEPS), msg=key)

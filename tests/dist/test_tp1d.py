@@ -34,9 +34,9 @@ from tessera.nn import (
 from tessera.parallel.tensor.common import ShardSpec, local_shard, round_up, spec_of
 from tessera.parallel.tensor.plain import PatchEmbedding
 from tessera.parallel.tensor.tp1d import gather_activation, hidden_parts, split_activation
-from tessera.testing import use_layout
+from tessera.testing import tolerance, use_layout
 
-TOL = dict(rtol=1e-5, atol=1e-6)
+TOL = tolerance(depth=2 * 8)  # a layer (or a block's pieces) forward and backward, against one process
 WORLDS = [2, 4]  # use_layout(tensor=world) on the pool of that size
 TP2_DP2 = dict(tensor=2)  # on the 4-rank pool: tensor 2 x data 2
 

@@ -15,9 +15,10 @@ from tessera.checkpoint import full_state_dict
 from tessera.memory import model_state_bytes
 from tessera.models import NextTokenLoss, gpt, vit
 from tessera.parallel.tensor.common import gather_full, spec_of
-from tessera.testing import use_layout
+from tessera.testing import tolerance, use_layout
 
-STEPS = 20
+# a handful of AdamW steps reach every path (the first step, bias correction, accumulated states)
+STEPS = 6
 GLOBAL_BATCH = 8
 SEQ = 16
 
@@ -104,10 +105,11 @@ def test_model_trains_to_the_single_process_answer(pools, references, kind, name
     assert initial.keys() == ref_initial.keys()
     for key in ref_initial:
         assert torch.equal(initial[key], ref_initial[key]), f"{key}: the initial weights depend on the layout"
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    tol = tolerance(blocks=2, steps=STEPS)  # build(): 2 blocks
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **tol)
     assert all(r[0] == losses for r in results), "every rank reports the same loss"
     for key in ref_final:
-        torch.testing.assert_close(final[key], ref_final[key], rtol=1e-5, atol=1e-5, msg=key)
+        torch.testing.assert_close(final[key], ref_final[key], **tol, msg=key)
 
 
 @pytest.mark.parametrize("name", ["2d-tp4", "2.5d-tp8-d2", "3d-tp8"])
@@ -145,10 +147,12 @@ BIG_VOCAB_LAYOUTS = {
 def test_vocabulary_50257_gives_the_single_process_loss_in_every_mode(pools):
     ref_loss, _, ref_shape, ref_grad = body_big_vocab_loss(None)
     assert ref_shape == (50257, 32)
+    # one block forward and backward, and a log-sum-exp over 50257 logits (a sum log2(n) deep)
+    tol = tolerance(depth=2 * 8 + 16)
     for name, (ranks, layout) in BIG_VOCAB_LAYOUTS.items():
         for loss, _, shape, grad in pools.run(ranks, body_big_vocab_loss, layout):
-            assert loss == pytest.approx(ref_loss, rel=1e-5), name
-            torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7, msg=name)
+            assert loss == pytest.approx(ref_loss, rel=tol["rtol"], abs=tol["atol"]), name
+            torch.testing.assert_close(grad, ref_grad, **tol, msg=name)
             assert shape[0] < 50257, f"{name}: the vocabulary is split"
 
 

@@ -14,7 +14,7 @@ import tessera
 from tessera.parallel.data import distributed_loader
 from tessera.checkpoint import full_state_dict
 from tessera.engine.options import TrainingOptions
-from tessera.testing import use_layout
+from tessera.testing import tolerance, use_layout
 from tests.dist.test_engine import GLOBAL_BATCH, make_dataset, make_model, make_optimizer, reference_run
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
@@ -58,6 +58,7 @@ def test_the_walkthrough_strategy_trains_to_the_single_process_answer(pools):
         assert out["walkthrough"][0] == "one-allreduce" and out["ddp"][0] == "ddp"
         for side in ("walkthrough", "ddp"):
             _, losses, state = out[side]
-            torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-6)
+            tol = tolerance(steps=STEPS)  # make_model(): about one block's depth
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), **tol)
             for key, value in expected_state.items():
-                torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=f"{side}: {key}")
+                torch.testing.assert_close(state[key], value, **tol, msg=f"{side}: {key}")

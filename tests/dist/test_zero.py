@@ -15,12 +15,14 @@ from tessera.errors import ConfigError
 from tessera.memory import model_state_bytes
 from tessera.memory.chunks import ChunkState, IllegalTransition
 from tessera.models import NextTokenLoss, gpt
-from tessera.testing import use_layout
+from tessera.testing import tolerance, use_layout
 
-STEPS = 20
+# a handful of AdamW steps reach every path (the first step, bias correction, accumulated states)
+STEPS = 6
 GLOBAL_BATCH = 8
 SEQ = 16
 BUCKET_MB = 0.016  # ~4k fp32 elements a chunk: the small GPT spreads over several chunks
+TOL = tolerance(blocks=2, steps=STEPS)  # a run of build() against single-process AdamW
 
 
 def build() -> nn.Module:
@@ -103,11 +105,11 @@ def test_zero_reproduces_single_process_adamw(pools, references, ranks, stage, t
     results = pools.run(ranks, train, config, timeout=600)
     losses, state = results[0]
     ref_losses, ref_state = references[clip]
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
     assert all(r[0] == losses for r in results), "every rank reports the same loss"
     assert state.keys() == ref_state.keys()
     for key in ref_state:
-        torch.testing.assert_close(state[key], ref_state[key], rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(state[key], ref_state[key], **TOL, msg=key)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -122,7 +124,7 @@ def test_zero_bf16_tracks_single_process(pools, references, stage):
 def test_zero_overlap_off_and_cpu_offload_give_the_same_answer(pools, references):
     for options in ({"overlap": False}, {"offload": "cpu"}):
         losses, _ = pools.run(2, train, make_config(2, 2, **options), timeout=600)[0]
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(references[None][0]), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(references[None][0]), **TOL)
 
 
 # ---- memory and communication ----------------------------------------------------------------------
@@ -205,7 +207,9 @@ def test_load_full_state_dict_under_zero(pools):
         for after_load, after_step in pools.run(2, load_and_step, stage):
             for key in target:
                 assert torch.equal(after_load[key], target[key]), key
-                torch.testing.assert_close(after_step[key], ref_after_step[key], rtol=1e-5, atol=1e-6, msg=key)
+                torch.testing.assert_close(
+                    after_step[key], ref_after_step[key], **tolerance(blocks=2, steps=1), msg=key
+                )
 
 
 def test_zero_config_errors():
@@ -304,9 +308,9 @@ def test_zero1_with_pipeline_and_data_parallelism(pools, references):
     config["parallel"]["pipeline"] = {"size": 2, "schedule": "1f1b", "microbatches": 2}
     losses, state = pools.run(4, train_pipeline, config, timeout=600)[0]
     ref_losses, ref_state = references[0.05]
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
     for key in ref_state:
-        torch.testing.assert_close(state[key], ref_state[key], rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(state[key], ref_state[key], **TOL, msg=key)
 
 
 # ---- LAMB and LARS over ZeRO pieces -----------------------------------------------------------------
@@ -318,7 +322,7 @@ def make_large_batch_optimizer(name: str, model: nn.Module) -> torch.optim.Optim
     return tessera.optim.LARS(model.parameters(), lr=0.5, weight_decay=1e-4, trust_coefficient=0.02)
 
 
-def train_large_batch(name: str, stage: int | None, steps: int = 10):
+def train_large_batch(name: str, stage: int | None, steps: int = STEPS):
     """LAMB/LARS on the GPT: under ZeRO on 4 data ranks, or (stage None) in this process."""
     if stage is not None:
         ctx = use_layout(config=make_config(stage, None))
@@ -345,7 +349,7 @@ def test_lamb_and_lars_under_zero2_match_single_process(pools, name):
     expected = train_large_batch(name, None)
     for state in pools.run(4, train_large_batch, name, 2, timeout=600):
         for key in expected:
-            torch.testing.assert_close(state[key], expected[key], rtol=1e-6, atol=1e-6, msg=key)
+            torch.testing.assert_close(state[key], expected[key], **tolerance(blocks=2, steps=STEPS), msg=key)
 
 
 def body_offload_setup(stage: int):
@@ -403,4 +407,5 @@ def test_ranks_holding_only_padding_still_join_every_norm(pools):
     for stage in (1, 2, 3):
         for state in pools.run(4, tiny_lamb_run, stage, timeout=120):
             for key in expected:
-                torch.testing.assert_close(state[key], expected[key], rtol=1e-6, atol=1e-7, msg=(stage, key))
+                # a linear layer, the loss and LAMB's norms: about one block's depth a pass
+                torch.testing.assert_close(state[key], expected[key], **tolerance(steps=5), msg=(stage, key))

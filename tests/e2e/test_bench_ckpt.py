@@ -7,9 +7,9 @@ from tessera.bench import ckpt
 from tests.e2e.test_bench import check
 
 
-def test_bench_ckpt_rows(tmp_path):
+def test_bench_ckpt_rows(tmp_path, pools):
     w = ckpt.Workload(preset="tiny", seq_len=16, micro_batch=2, reps=1, widths=(("zero3", 64),), stall_ranks=2)
-    rows = ckpt.run(ranks=2, w=w, root=str(tmp_path))
+    rows = ckpt.run(ranks=2, w=w, root=str(tmp_path), pools=pools)
     data = check(rows, tmp_path, {"save_time_s", "load_time_s", "bytes_per_rank", "bytes_total", "async_stall_s"})
     names = {row["name"] for row in data}
     assert names == {"ddp dp2 gpt-tiny", "zero3 dp2 gpt-tiny", "zero3 dp2 gpt-tiny d64"}

@@ -7,13 +7,14 @@ from __future__ import annotations
 import pytest
 
 from tessera.bench import hf
+from tessera.testing import tolerance
 from tests.e2e.test_bench import check
 
 
-def test_bench_hf_rows(tmp_path):
+def test_bench_hf_rows(tmp_path, pools):
     w = hf.Workload(hidden=64, layers=2, intermediate=128, seq=16, batch=2, ranks=2, distinct_batches=2)
     report: dict = {}
-    rows = hf.run(w, blocks=2, steps=1, report=report)
+    rows = hf.run(w, blocks=2, steps=1, report=report, pools=pools)
     data = check(rows, tmp_path, {"step_time_s", "tokens_per_s", "collectives_per_step", "loss_first", "loss_last"})
     anchors = {row["anchor"] for row in data}
     ds = hf.deepspeed_available()  # CI does not install the bench extra: then its rows are absent
@@ -21,9 +22,9 @@ def test_bench_hf_rows(tmp_path):
     assert {row["name"] for row in data} == {"hf llama h64 l2 v1000 tp2 b2x16"}
     # a warm-up step, two timed ones and a counted one, the same losses on every side
     assert all(len(losses) == 4 for losses in report["losses"].values())
-    for row in data:
+    for row in data:  # the ratio of the sides' losses: 2 layers, after at most 4 steps
         if row["metric"].startswith("loss"):
-            assert abs(row["ratio"] - 1.0) <= 1e-5, row
+            assert abs(row["ratio"] - 1.0) <= 2 * tolerance(blocks=2, steps=4)["rtol"], row
     assert report["losses"][hf.TESSERA][-1] < report["losses"][hf.TESSERA][0]  # it trains
     # per layer one all-reduce forward and one backward per block (attention, MLP); the embedding's
     # forward, the head's input gradient and the logits' all-gather

@@ -13,6 +13,7 @@ import pytest
 from tessera.bench import moe
 from tessera.bench.report import Row
 from tessera.models import gpt
+from tessera.testing import tolerance
 from tests.e2e.test_bench import check
 
 # without capacity drops and auxiliary losses, where tessera's and DeepSpeed's MoE compute the same
@@ -23,11 +24,11 @@ TINY = moe.Workload(
 )  # fmt: skip
 
 
-def test_bench_moe_rows(tmp_path):
+def test_bench_moe_rows(tmp_path, pools):
     report: dict = {}
     layout = moe.Layout(ranks=2, expert=2)
     ds = moe.deepspeed_available()  # CI does not install the bench extra: then its rows are absent
-    rows = moe.run(TINY, [layout], blocks=2, steps=1, with_deepspeed=ds, report=report)
+    rows = moe.run(TINY, [layout], blocks=2, steps=1, with_deepspeed=ds, report=report, pools=pools)
     data = check(rows, tmp_path, {"step_time_s", "tokens_per_s", "params_total", "params_active"})
     name = "ep2 dp2 gpt-tiny-moe b2x16"
     dense, deepspeed = "dense GPT ff96", "DeepSpeed-MoE ep2"  # 2 experts of 3 x d x 32: 2 x d x 96 dense
@@ -54,7 +55,8 @@ def test_bench_moe_rows(tmp_path):
     assert losses[moe.TESSERA][-1] < losses[moe.TESSERA][0]
     if ds:  # the same weights and batches, no drops, no auxiliary losses: the same losses every step
         assert by["step_time_s", deepspeed]["anchor_value"] == median[moe.DEEPSPEED]
-        assert result["worst"] <= 1e-5, (losses[moe.TESSERA], losses[moe.DEEPSPEED])
+        bound = tolerance(blocks=2, steps=3)["rtol"]  # 2 layers, 3 steps
+        assert result["worst"] <= bound, (losses[moe.TESSERA], losses[moe.DEEPSPEED])
     lines = moe.table(TINY, report).splitlines()
     assert len(lines) == 2 + (3 if ds else 2) and all(line.startswith(f"| {name} |") for line in lines[2:])
 

@@ -36,23 +36,19 @@ def test_help_lists_the_subcommands():
         assert sub in out.stdout
 
 
-def test_check_passes():
-    out = run([*tessera_cmd(), "check"])
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "torch       2." in out.stdout
-    assert "gloo" in out.stdout
-    assert "all-reduce  2 ranks (gloo): ok" in out.stdout
+# `tessera check` is run as README.md and docs/getting-started.md write it, its output checked, by
+# tests/e2e/test_docs.py
 
 
 def test_run_launches_through_torchrun_with_overrides(tmp_path):
     config = tmp_path / "layout.py"
-    config.write_text("parallel = dict(tensor=dict(size=2, mode='1d'))\n")
-    out = run([*tessera_cmd(), "run", "--nproc-per-node", "4", "--master-port", str(free_port()),
-               str(PROBE), "torch", str(config), "parallel.tensor.size=4"])  # fmt: skip
+    config.write_text("parallel = dict(tensor=dict(size=1, mode='1d'))\n")
+    out = run([*tessera_cmd(), "run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+               str(PROBE), "torch", str(config), "parallel.tensor.size=2"])  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     rows = results(out.stdout)
-    assert [r["rank"] for r in rows] == ["0", "1", "2", "3"]
-    assert all(r["sum"] == "10" and r["tensor"] == "4" and r["data"] == "1" for r in rows), rows
+    assert [r["rank"] for r in rows] == ["0", "1"]
+    assert all(r["sum"] == "3" and r["tensor"] == "2" and r["data"] == "1" for r in rows), rows
     assert all(r["threads"] == "1" for r in rows), "one intra-op thread per rank by default"
 
 

@@ -1,6 +1,7 @@
 """A hung rank is named (issue #14): under ``tessera run``, a rank that stops calling collectives
 ends the job within the watchdog timeout, and the terminal names it as the rank that did not
-arrive, not the healthy ranks that waited for it. No process is left behind."""
+arrive, not the healthy ranks that waited for it (two of them, on 3 ranks). No process is left
+behind."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def processes_with(marker: str) -> list[int]:
 
 def test_a_hung_rank_is_named_and_the_job_ends(tmp_path):
     marker = str(tmp_path / "hung-rank-marker")
-    command = [*tessera_cmd(), "run", "--nproc-per-node", "4", "--master-port", str(free_port()),
+    command = [*tessera_cmd(), "run", "--nproc-per-node", "3", "--master-port", str(free_port()), "--no-dry-run",
                "--set", f"comm.timeout_s={TIMEOUT_S}", "--run-dir", str(tmp_path / "run"),
                str(HUNG_RANK_SCRIPT), marker]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -66,7 +67,7 @@ def test_a_hung_rank_is_named_and_the_job_ends(tmp_path):
     # the healthy ranks report, each naming rank 2; nobody blames a healthy rank
     assert re.search(r"rank 2 did not arrive at all_reduce #\d+ on this group \(its last collective on this group "
                      r"was #\d+ all_reduce on axis 'data'\)", stderr), stderr  # fmt: skip
-    reporters = set(re.findall(r"rank (\d): all_reduce on axis 'data' \(group ranks \[0, 1, 2, 3\]\)", stderr))
-    assert reporters and reporters <= {"0", "1", "3"}, stderr
-    assert not re.search(r"rank [013] did not arrive", stderr), stderr
+    reporters = set(re.findall(r"rank (\d): all_reduce on axis 'data' \(group ranks \[0, 1, 2\]\)", stderr))
+    assert reporters and reporters <= {"0", "1"}, stderr
+    assert not re.search(r"rank [01] did not arrive", stderr), stderr
     assert since_hang < TIMEOUT_S + 60, "the watchdog, not something slower, ended the job"

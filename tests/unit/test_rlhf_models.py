@@ -27,7 +27,7 @@ from tessera.rlhf.models import (
     value_model,
     vocab_parallel_token_logprobs,
 )
-from tessera.testing import use_layout
+from tessera.testing import tolerance, use_layout
 
 VOCAB, SEQ, D = 67, 12, 32
 
@@ -117,7 +117,7 @@ def test_padding_after_a_row_leaves_its_values_alone(family):
     torch.testing.assert_close(model(other_padding, attention_mask=mask) * mask, values * mask)
     for row, length in enumerate(lengths):  # each row alone, unpadded
         alone = model(tokens[row : row + 1, :length])
-        torch.testing.assert_close(values[row, :length], alone[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(values[row, :length], alone[0], **tolerance(blocks=2))  # another batch shape
 
 
 def test_under_bf16_autocast_the_head_runs_in_float32():

@@ -26,7 +26,7 @@ from tessera.rlhf import (
 )
 from tessera.rlhf.reward import RewardOptions, RewardTrainer, reward_scores
 from tessera.rlhf.sft import SFTTrainer
-from tessera.testing import use_layout
+from tessera.testing import tolerance, use_layout, within
 
 BYTES = ByteTokenizer()
 EXAMPLES = [SFTExample("sort 3 1:", " 1 3\n"), SFTExample("sort 2 0 4 1:", " 0 1 2 4\n")]
@@ -70,7 +70,7 @@ def test_the_sft_loss_is_the_mean_cross_entropy_of_the_response_tokens():
         logits = trainer.engine(batch["input_ids"])
         loss, stats = trainer.losses(logits, batch)
     expected = by_hand()
-    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    assert within(loss.item(), expected, blocks=2), (loss.item(), expected)  # by hand: a forward per example
     assert stats["tokens"].item() == sum(len(e.response) for e in EXAMPLES) == 14
     assert loss.item() == pytest.approx(sft_loss(logits, batch["labels"], batch["loss_mask"]).item(), rel=1e-6)
 
@@ -115,7 +115,7 @@ def test_a_score_is_the_value_at_the_last_real_token():
             expected.append(model(alone)[0, -1])
     model.train()
     scores = reward_scores(model, batch)
-    torch.testing.assert_close(scores, torch.stack(expected), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(scores, torch.stack(expected), **tolerance(blocks=2))  # another batch shape
     assert model.training and not scores.requires_grad  # train mode put back; no graph kept
     trainer = RewardTrainer(engine_of(value_model(build())))
     torch.testing.assert_close(trainer.score(batch), scores)

@@ -1,4 +1,4 @@
-"""Started by tests/e2e/test_hung_rank.py under ``tessera run --nproc-per-node 4``: every rank
+"""Started by tests/e2e/test_hung_rank.py under ``tessera run --nproc-per-node 3``: every rank
 all-reduces over the data axis once a step; at step 3 rank 2 stops and sleeps for good, as a hung
 rank would, while the others wait for it in the all-reduce. The argument is a marker that lets the
 test find the processes afterwards."""
