@@ -9,10 +9,6 @@ import pytest
 from tessera.bench import serve
 from tests.e2e.test_bench import check
 
-pytest.importorskip("transformers")
-pytest.importorskip("fastapi")
-pytest.importorskip("httpx")
-
 TINY = serve.Workload(
     vocab=256, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64, prompt=6, new_tokens=6,
     batches=(1, 3), repeats=2, clients=3, rounds=1,

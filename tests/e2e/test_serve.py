@@ -18,16 +18,15 @@ import sys
 import time
 from pathlib import Path
 
+import fastapi  # noqa: F401 -- the serve extra, installed by the test extra
+import httpx
+import openai
 import pytest
 import torch
 
-httpx = pytest.importorskip("httpx")
-openai = pytest.importorskip("openai")
-pytest.importorskip("fastapi")
-
-from tessera.inference.text import ByteTokenizer  # noqa: E402
-from tessera.models.gpt import gpt  # noqa: E402
-from tessera.testing import assert_draws_clear, greedy_draws  # noqa: E402
+from tessera.inference.text import ByteTokenizer
+from tessera.models.gpt import gpt
+from tessera.testing import assert_draws_clear, greedy_draws
 
 NAME = "tiny-gpt"
 OPTIONS = dict(n_layers=2, max_seq_len=128)

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
 
 from tessera.comm.group import AxisGroup, single_rank_group
@@ -31,7 +32,6 @@ from tessera.parallel.tensor.tp1d.layers import Linear1D_Col, Linear1D_Row
 from tessera.parallel.tensor.tp2d.layers import Linear2D
 from tessera.parallel.tensor.tp3d.layers import Linear3D
 
-transformers = pytest.importorskip("transformers")
 Conv1D = transformers.pytorch_utils.Conv1D
 
 FP32_LOGITS_RTOL = 0.02

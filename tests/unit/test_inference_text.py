@@ -92,8 +92,9 @@ def test_push_after_finish_raises():
 @pytest.fixture(scope="module")
 def gpt2_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Decoder:
     """GPT-2's byte-level BPE (transformers' GPT2TokenizerFast) on a vocabulary trained here."""
-    tokenizers = pytest.importorskip("tokenizers")
-    transformers = pytest.importorskip("transformers")
+    import tokenizers
+    import transformers
+
     bpe = tokenizers.ByteLevelBPETokenizer()
     corpus = ["the quick brown fox jumps over the lazy dog", "hello world, the world is wide", "naïve café"]
     bpe.train_from_iterator(corpus * 3, vocab_size=300, min_frequency=1, show_progress=False)
@@ -109,8 +110,9 @@ def gpt2_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Decoder:
 def llama_style_tokenizer() -> Decoder:
     """A SentencePiece-style BPE as LLaMA's tokenizer.json builds it: "▁" for spaces, byte
     fallback (<0xE6> ...) for characters not in the vocabulary, the leading space stripped."""
-    tokenizers = pytest.importorskip("tokenizers")
-    transformers = pytest.importorskip("transformers")
+    import tokenizers
+    import transformers
+
     vocab = {"<unk>": 0} | {f"<0x{b:02X}>": 1 + b for b in range(256)}
     merges = [("▁", "h"), ("▁h", "e"), ("l", "l"), ("▁he", "ll"), ("▁hell", "o"), ("▁", "w"), ("o", "r"), ("▁", "t")]
     for piece in ["▁", *"helowrdtn", *(a + b for a, b in merges)]:
