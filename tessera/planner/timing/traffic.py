@@ -1,0 +1,132 @@
+"""Communication of one optimizer step on a rank (docs/planner.md, "Step time"): the tensor
+modes' (:mod:`tessera.planner.timing.tensor`), the sequence axis's attention, the pipeline's
+boundaries and the replicas' gradient averaging (DDP buckets, ZeRO chunks), as logical bytes
+and calls per (op, axis), exactly as the comm ledger counts them.
+``tests/dist/test_planner_timing.py`` holds these formulas to the ledger of real steps."""
+
+from __future__ import annotations
+
+import math
+
+from tessera.planner.layout import Layout
+from tessera.planner.spec import ModelSpec, Workload
+from tessera.planner.timing.counting import BUCKET_BYTES, P2P, Book, Shape, Traffic, micro_batch_shape
+from tessera.planner.timing.partition import Stage, local_parameters, stages
+from tessera.planner.timing.tensor import block_tensor, embedding_tensor, head_tensor
+
+
+def _pipeline_traffic(book: Book, m: ModelSpec, layout: Layout, sh: Shape, stage: Stage) -> None:
+    """Activations forward and their gradients backward across each of the stage's boundaries,
+    per micro-batch; the loss rides on the last gradient (8 bytes); a tied embedding's gradient
+    is summed over the pipeline."""
+    p, ends = layout.pipeline, stage.boundaries
+    if p == 1:
+        return
+    act = sh.tokens * sh.width * sh.er
+    book.times = layout.microbatches
+    book.add("send", "pipeline", p, ends * act, ends)
+    book.add("recv", "pipeline", p, ends * act, ends)
+    book.times = 1
+    book.add("send", "pipeline", p, 8 * stage.loss_sends, 0)  # the loss, on the last gradient
+    book.add("recv", "pipeline", p, 8 * stage.loss_recvs, 0)
+    if m.tie_weights and m.family != "vit":
+        book.add("all_reduce", "pipeline", p, m.vocab_size * m.d_model / layout.splits[0] * sh.pe)
+
+
+# ---- sequence and data axes ---------------------------------------------------------------------
+
+
+def _block_sequence(book: Book, m: ModelSpec, layout: Layout, sh: Shape) -> None:
+    """One block's attention over the sequence axis (N ranks, this rank's heads): ring sends
+    the key/value blocks N-1 hops forward, again backward with their fp32 gradient sums;
+    ring_qk keys and values apart (4 (N-1) hops backward); all_to_all four each way."""
+    n = layout.sequence
+    if n == 1:
+        return
+    local = sh.b * (sh.s // n)
+    kv, h = local * m.kv_dim / layout.tensor, local * m.d_model / layout.tensor  # elements of one block
+    hops = n - 1
+    if layout.sequence_mode == "ring":
+        for op in P2P:
+            book.add(op, "sequence", n, hops * 2 * kv * sh.e, hops, fwd=True)
+            book.add(op, "sequence", n, hops * 2 * kv * (sh.e + 4), 2 * hops)
+    elif layout.sequence_mode == "ring_qk":
+        for op in P2P:
+            book.add(op, "sequence", n, 2 * hops * kv * sh.e, 2 * hops, fwd=True)
+            book.add(op, "sequence", n, 4 * hops * kv * sh.e, 4 * hops)
+    else:
+        book.add("all_to_all", "sequence", n, (2 * h + 2 * kv) * sh.e, 4, fwd=True)
+        book.add("all_to_all", "sequence", n, (2 * h + 2 * kv) * sh.e, 4)
+
+
+def replica_axis(layout: Layout) -> tuple[str, int]:
+    """The group that averages gradients and that ZeRO shards over: ``data``, or ``data+sequence``
+    when the sequence is split (its ranks hold the same parameters)."""
+    return ("data+sequence" if layout.sequence > 1 else "data"), layout.data * layout.sequence
+
+
+def zero_chunks(model: ModelSpec, layout: Layout, stage: Stage, element: int) -> int:
+    """ZeRO chunks (and DDP buckets) of a stage: one per layer at least, none over the bucket size."""
+    mat, vec = layout.splits
+    block = (model.block_matrix_params() / mat + model.block_vector_params() / vec) * element
+    per_block = math.ceil(block / BUCKET_BYTES)
+    ends = (2 if model.learned_positions else 1) * stage.embedding + stage.head
+    return stage.blocks * per_block + ends
+
+
+def _data_traffic(book: Book, m: ModelSpec, layout: Layout, st: Stage, sh: Shape) -> None:
+    """Gradient averaging over the replicas: DDP's bucket all-reduce (a pipeline's one flat
+    all-reduce), ZeRO's reduce-scatter and all-gather of the chunks (stage 2 reduces, stage 3
+    also gathers, every micro-step), and the step's loss (4 bytes)."""
+    axis, n = replica_axis(layout)
+    if n == 1:
+        return
+    grads = local_parameters(m, layout, st) * sh.pe
+    chunks = zero_chunks(m, layout, st, sh.pe)
+    micro = layout.accumulation
+    if layout.zero == 0:
+        calls = 1 if layout.pipeline > 1 else max(1, math.ceil((grads - 2**20) / BUCKET_BYTES) + 1)
+        book.add("all_reduce", axis, n, grads, calls)
+    elif layout.zero == 1:
+        book.add("reduce_scatter", axis, n, grads, chunks)
+        if layout.pipeline > 1:  # every stage's optimizer holds the whole model's chunks and gathers them all
+            whole = Stage(m.n_layers, True, True)
+            grads, chunks = local_parameters(m, layout, whole) * sh.pe, zero_chunks(m, layout, whole, sh.pe)
+        book.add("all_gather", axis, n, grads, chunks)
+    else:
+        book.add("reduce_scatter", axis, n, micro * grads, micro * chunks)
+        gathers = 1 if layout.zero == 2 else 2 * micro
+        book.add("all_gather", axis, n, gathers * grads, gathers * chunks)
+    book.add("all_reduce", axis, n, 4)
+
+
+def stage_traffic(model: ModelSpec, layout: Layout, workload: Workload, stage: Stage) -> dict[tuple[str, str], Traffic]:
+    """Logical bytes and calls per (op, axis) of one optimizer step on a rank of ``stage``, as
+    tessera's comm ledger counts them."""
+    sh = micro_batch_shape(model, layout, workload)
+    book = Book()
+    book.times = stage.blocks * layout.microbatches
+    # selective recomputation reruns the collectives between the kept matmul outputs, as full does
+    book.recompute = 0.0 if layout.checkpoint == "none" else 1.0
+    block_tensor(book, model, layout, sh)
+    _block_sequence(book, model, layout, sh)
+    book.recompute, book.times = 0.0, layout.microbatches
+    if stage.embedding:
+        embedding_tensor(book, model, layout, sh)
+    if stage.head:
+        head_tensor(book, model, layout, sh)
+    _pipeline_traffic(book, model, layout, sh, stage)
+    book.times = 1
+    _data_traffic(book, model, layout, stage, sh)
+    return book.traffic()
+
+
+def step_traffic(model: ModelSpec, layout: Layout, workload: Workload) -> dict[tuple[str, str], Traffic]:
+    """:func:`stage_traffic` of every pipeline stage, the most of them per (op, axis): what the
+    comm ledger shows on the rank that moves the most on each."""
+    out: dict[tuple[str, str], Traffic] = {}
+    for stage in set(stages(model, layout.pipeline, layout.chunks)):
+        for key, t in stage_traffic(model, layout, workload, stage).items():
+            if key not in out or t.bytes > out[key].bytes:
+                out[key] = t
+    return out
