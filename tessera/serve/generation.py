@@ -13,7 +13,7 @@ from tessera.inference.params import SamplingParams
 from tessera.inference.text import TextStream
 from tessera.serve.backend import Backend, Chunk
 from tessera.serve.metrics import ServerMetrics
-from tessera.serve.protocol import ChatShape, CompletionShape, usage
+from tessera.serve.responses import ChatShape, CompletionShape, usage
 
 
 @dataclass

@@ -1,17 +1,27 @@
-"""OpenAI's wire format: the request models the server validates and the responses it builds.
+"""OpenAI's wire format, requests: the request models the server validates, and the validation
+of a request against the server's :class:`Limits` and the model (every refusal an
+:class:`APIError` with its status). The answers are in :mod:`tessera.serve.responses`.
 
 Requests are pydantic models that refuse unknown fields (naming them) and accept OpenAI's
 optional fields that this server does not implement only at the value that turns them off
 (``n=1``, ``echo=false``, no penalties, no logprobs), so a client never gets a silently
-different answer from the one it asked for. Responses are plain dicts in OpenAI's shapes,
-built by :class:`CompletionShape` and :class:`ChatShape`.
+different answer from the one it asked for.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from tessera.errors import ConfigError
+from tessera.inference.params import SamplingParams
+from tessera.serve.responses import error_body
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
 
 # Roles a chat template may meet; "developer" is OpenAI's newer name for "system".
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
@@ -189,78 +199,150 @@ def _is_union_branch(part: object) -> bool:
     return isinstance(part, str) and (part in {"str", "int", "float", "bool"} or "[" in part)
 
 
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+@dataclass(frozen=True)
+class Limits:
+    """What one server accepts. A request beyond a limit is refused with the status named."""
+
+    max_prompt_tokens: int = 4096
+    """Longest prompt, in tokens (400)."""
+    max_tokens: int = 1024
+    """Most tokens one request may ask to generate (400); a chat request that gives no
+    max_tokens gets this, or what the model's context leaves if that is less."""
+    max_concurrent_requests: int = 64
+    """Generation requests answered at once, streams included; one more gets 429."""
+    max_body_bytes: int = 1 << 20
+    """Largest request body in bytes (413)."""
+
+    def __post_init__(self) -> None:
+        for limit in fields(self):
+            value = getattr(self, limit.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"Limits.{limit.name}={value!r} must be an integer of at least 1")
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
+# ---- validation: a request against the server's limits and the model ---------------------------
 
 
-def model_card(name: str, created: int, max_model_len: int) -> dict[str, Any]:
-    """One entry of ``GET /v1/models``."""
-    return {"id": name, "object": "model", "created": created, "owned_by": "tessera", "max_model_len": max_model_len}
+class APIError(Exception):
+    """A request the server refuses: the HTTP status and OpenAI's error fields."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
 
 
-class CompletionShape:
-    """The bodies of one ``/v1/completions`` answer: the whole response, or its stream's chunks."""
-
-    def __init__(self, request_id: str, created: int, model: str) -> None:
-        self._head = {"id": request_id, "object": "text_completion", "created": created, "model": model}
-
-    def response(self, text: str, finish_reason: str | None, usage_: dict[str, int]) -> dict[str, Any]:
-        return {**self._head, "choices": [self._choice(text, finish_reason)], "usage": usage_}
-
-    def opening_chunks(self) -> list[dict[str, Any]]:
-        return []
-
-    def text_chunk(self, text: str) -> dict[str, Any]:
-        return {**self._head, "choices": [self._choice(text, None)]}
-
-    def closing_chunk(self, finish_reason: str | None) -> dict[str, Any]:
-        return {**self._head, "choices": [self._choice("", finish_reason)]}
-
-    def usage_chunk(self, usage_: dict[str, int]) -> dict[str, Any]:
-        return {**self._head, "choices": [], "usage": usage_}
-
-    @staticmethod
-    def _choice(text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+async def read_json_body(request: Request, max_bytes: int) -> Any:
+    """The request's JSON body; 413 past ``max_bytes`` (by its Content-Length before reading,
+    or as it arrives), 400 when it is not JSON."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise body_too_large(int(declared), max_bytes)
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > max_bytes:
+            raise body_too_large(len(body), max_bytes)
+    try:
+        return json.loads(body)
+    except ValueError as error:  # JSONDecodeError, or bytes that are not UTF-8/16/32
+        raise APIError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from error
 
 
-class ChatShape:
-    """The bodies of one ``/v1/chat/completions`` answer. A stream opens with the assistant's
-    role, carries the content in ``delta`` pieces and closes with an empty delta and the finish reason."""
+def body_too_large(size: int, max_bytes: int) -> APIError:
+    message = f"the request body has {size} bytes or more; this server takes at most {max_bytes}"
+    return APIError(413, message, code="request_too_large")
 
-    def __init__(self, request_id: str, created: int, model: str) -> None:
-        self._head = {"id": request_id, "created": created, "model": model}
 
-    def response(self, text: str, finish_reason: str | None, usage_: dict[str, int]) -> dict[str, Any]:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": finish_reason,
-            "logprobs": None,
-        }
-        return {**self._head, "object": "chat.completion", "choices": [choice], "usage": usage_}
+def parse_request(model_type: type[SamplingFields], body: Any) -> Any:
+    """``body`` validated as ``model_type``; 400 naming the first bad field."""
+    from pydantic import ValidationError
 
-    def opening_chunks(self) -> list[dict[str, Any]]:
-        return [self._chunk({"role": "assistant", "content": ""}, None)]
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return model_type.model_validate(body)
+    except ValidationError as error:
+        message, param = validation_message(error)
+        raise APIError(400, message, param=param) from error
 
-    def text_chunk(self, text: str) -> dict[str, Any]:
-        return self._chunk({"content": text}, None)
 
-    def closing_chunk(self, finish_reason: str | None) -> dict[str, Any]:
-        return self._chunk({}, finish_reason)
+def wants_param(message: str) -> str | None:
+    """The field a SamplingParams error names (``"top_p=2 must be ..."`` -> ``"top_p"``)."""
+    name = message.split("=", 1)[0]
+    return name if "=" in message and name.isidentifier() else None
 
-    def usage_chunk(self, usage_: dict[str, int]) -> dict[str, Any]:
-        return {**self._head, "object": "chat.completion.chunk", "choices": [], "usage": usage_}
 
-    def _chunk(self, delta: dict[str, str], finish_reason: str | None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-        return {**self._head, "object": "chat.completion.chunk", "choices": [choice]}
+def check_model(name: str | None, served_name: str) -> None:
+    """404 unless ``name`` is the served model's (or None: a request that names none)."""
+    if name is not None and name != served_name:
+        message = f"the model {name!r} does not exist; this server serves {served_name!r}"
+        raise APIError(404, message, param="model", code="model_not_found")
+
+
+def check_token_ids(ids: list[int], vocab_size: int) -> list[int]:
+    """``ids`` (a prompt given as token ids), or 400 when one is outside the vocabulary."""
+    if max(ids) >= vocab_size:
+        message = f"prompt token id {max(ids)} is outside the vocabulary (ids 0 to {vocab_size - 1})"
+        raise APIError(400, message, param="prompt")
+    return ids
+
+
+def check_prompt_length(prompt_tokens: int, limits: Limits) -> None:
+    """400 for an empty prompt or one over ``limits.max_prompt_tokens``."""
+    if prompt_tokens == 0:
+        raise APIError(400, "the prompt is empty (0 tokens)", param="prompt")
+    if prompt_tokens > limits.max_prompt_tokens:
+        message = f"the prompt has {prompt_tokens} tokens; this server takes at most {limits.max_prompt_tokens}"
+        raise APIError(400, message, param="prompt", code="context_length_exceeded")
+
+
+def resolve_max_tokens(requested: int | None, prompt_tokens: int, context: int, limits: Limits) -> int:
+    """The request's max_tokens, checked against the server's cap and the model's ``context``
+    (tokens); when None, as many as both allow."""
+    room = context - prompt_tokens
+    if requested is None:
+        if room < 1:
+            message = f"the prompt has {prompt_tokens} tokens, which fills the model's context of {context} tokens"
+            raise APIError(400, message, param="prompt", code="context_length_exceeded")
+        return min(limits.max_tokens, room)
+    if requested > limits.max_tokens:
+        message = f"max_tokens={requested} is more than this server allows ({limits.max_tokens})"
+        raise APIError(400, message, param="max_tokens")
+    if requested > room:
+        message = (
+            f"the model's context is {context} tokens; the prompt has {prompt_tokens} and max_tokens "
+            f"asks for {requested} more ({prompt_tokens + requested} in all)"
+        )
+        raise APIError(400, message, param="max_tokens", code="context_length_exceeded")
+    return requested
+
+
+def sampling_params(request: SamplingFields, max_tokens: int, eos_token_id: int | None) -> SamplingParams:
+    """The request's sampling fields with their defaults, and the tokenizer's end-of-sequence
+    id as a stop token; 400 naming the field SamplingParams refuses."""
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_k=0 if request.top_k is None else request.top_k,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            seed=request.seed,
+            stop=request.stop_strings(),
+            stop_token_ids=() if eos_token_id is None else (eos_token_id,),
+        )
+    except ValueError as error:
+        raise APIError(400, str(error), param=wants_param(str(error))) from error

@@ -20,11 +20,12 @@ import pytest
 from tessera.errors import ConfigError
 from tessera.inference.params import SamplingParams
 from tessera.inference.text import ByteTokenizer
-from tessera.serve.app import Limits, chat_prompt, create_app
+from tessera.serve.app import Limits, create_app
 from tessera.serve.backend import Chunk, ModelInfo
 from tessera.serve.http import check_host, serving, url_of
 from tessera.serve.metrics import Counter, Histogram
 from tessera.serve.protocol import ChatMessage
+from tessera.serve.server import chat_prompt
 
 EOS = 256
 TOKEN_SECONDS = 0.005

@@ -1,0 +1,280 @@
+"""What the OpenAI-compatible server does, apart from the web framework: a request read and
+validated (:mod:`tessera.serve.protocol`), authorized and admitted within the limits, run as a
+:class:`~tessera.serve.generation.Job` on the backend, and answered whole or as server-sent
+events (:mod:`tessera.serve.responses`), with the metrics counted. :mod:`tessera.serve.app`
+routes FastAPI's requests to :class:`OpenAIServer`."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import inspect
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from tessera.serve.backend import Backend, Tokenizer
+from tessera.serve.generation import Generation, Job
+from tessera.serve.metrics import ServerMetrics
+from tessera.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    Limits,
+    SamplingFields,
+    check_model,
+    check_prompt_length,
+    check_token_ids,
+    parse_request,
+    read_json_body,
+    resolve_max_tokens,
+    sampling_params,
+)
+from tessera.serve.responses import DONE_EVENT, ChatShape, CompletionShape, error_body, model_card, server_sent_event
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
+log = logging.getLogger(__name__)
+
+COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+MODELS = "/v1/models"
+# Status counted for a client that left before its answer was complete (nginx's convention).
+CLIENT_GONE = 499
+
+
+def chat_prompt(tokenizer: Tokenizer, messages: Sequence[ChatMessage]) -> list[int]:
+    """The prompt's token ids: the tokenizer's chat template with the generation prompt when it
+    has one, else ``"<role>: <content>\\n"`` per message then ``"assistant: "``."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        text = "".join(f"{m.role}: {m.content}\n" for m in messages) + "assistant: "
+        return list(tokenizer.encode(text))
+    conversation = [m.model_dump(exclude_none=True) for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)  # type: ignore[attr-defined]
+    except Exception as error:  # templates raise on conversations they refuse (roles out of turn)
+        raise APIError(400, f"the model's chat template refused these messages: {error}", param="messages") from error
+    # The template writes the model's special tokens itself; encoding would add BOS twice.
+    if "add_special_tokens" in inspect.signature(tokenizer.encode).parameters:
+        return list(tokenizer.encode(text, add_special_tokens=False))  # type: ignore[call-arg]
+    return list(tokenizer.encode(text))
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The key of ``Authorization: Bearer KEY``, or None."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns when the client has gone (its body already read, receive() reports only that)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def join_pieces(generation: Generation) -> str:
+    """The whole answer's text."""
+    return "".join([piece async for piece in generation.pieces()])
+
+
+async def text_unless_client_leaves(request: Request, generation: Generation) -> str | None:
+    """The whole answer's text, or None when the client left first (the generation is then
+    cancelled; :meth:`Generation.close` aborts it)."""
+    collector = asyncio.ensure_future(join_pieces(generation))
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        collector.cancel()  # no-op once done
+        watcher.cancel()
+        await asyncio.gather(collector, watcher, return_exceptions=True)
+    return None if collector.cancelled() else collector.result()
+
+
+class OpenAIServer:
+    """What the routes do, apart from FastAPI: validation, limits, running jobs, metrics."""
+
+    def __init__(self, backend: Backend, served_name: str, limits: Limits, api_key: str | None) -> None:
+        self.backend = backend
+        self.served_name = served_name
+        self.limits = limits
+        self.api_key = api_key
+        self.metrics = ServerMetrics()
+        self.created = int(time.time())
+        self.in_flight = 0  # generation requests admitted and not yet answered
+
+    # Refusals --------------------------------------------------------------------------------
+
+    def authorize(self, authorization: str | None) -> None:
+        """401 unless the server has no key or ``authorization`` is ``Bearer <key>``."""
+        if self.api_key is None:
+            return
+        given = bearer_token(authorization)
+        if given is None or not hmac.compare_digest(given.encode(), self.api_key.encode()):
+            what = "missing" if given is None else "wrong"
+            message = f"{what} API key: send the header 'Authorization: Bearer <key>' with this server's key"
+            raise APIError(401, message, "authentication_error", code="invalid_api_key")
+
+    def admit(self) -> None:
+        """Take a slot among the concurrent requests, or 429; :meth:`release` gives it back."""
+        if self.in_flight >= self.limits.max_concurrent_requests:
+            message = (
+                f"the server is answering its maximum of {self.limits.max_concurrent_requests} "
+                "requests at once; try again shortly"
+            )
+            raise APIError(429, message, "rate_limit_error", code="too_many_requests")
+        self.in_flight += 1
+
+    def release(self) -> None:
+        """Give back the slot :meth:`admit` took."""
+        self.in_flight -= 1
+
+    # Requests to jobs ------------------------------------------------------------------------
+
+    def completion_job(self, body: Any, arrived: float) -> Job:
+        """A ``/v1/completions`` body as a job (the prompt encoded, or its token ids checked)."""
+        request: CompletionRequest = parse_request(CompletionRequest, body)
+        check_model(request.model, self.served_name)
+        prompt = request.prompt_text_or_ids()
+        if isinstance(prompt, str):
+            prompt_ids = list(self.backend.tokenizer.encode(prompt))
+        else:
+            prompt_ids = check_token_ids(prompt, self.backend.info.vocab_size)
+        return self.job(request, prompt_ids, request.max_tokens, COMPLETIONS, arrived)
+
+    def chat_job(self, body: Any, arrived: float) -> Job:
+        """A ``/v1/chat/completions`` body as a job (the messages through the chat template)."""
+        request: ChatCompletionRequest = parse_request(ChatCompletionRequest, body)
+        check_model(request.model, self.served_name)
+        prompt_ids = chat_prompt(self.backend.tokenizer, request.messages)
+        return self.job(request, prompt_ids, request.requested_max_tokens, CHAT_COMPLETIONS, arrived)
+
+    def job(
+        self, request: SamplingFields, prompt_ids: list[int], max_tokens: int | None, endpoint: str, arrived: float
+    ) -> Job:
+        """The checks and the parts both endpoints share, and the job's id and response shape."""
+        check_prompt_length(len(prompt_ids), self.limits)
+        context = self.backend.info.max_model_len
+        granted = resolve_max_tokens(max_tokens, len(prompt_ids), context, self.limits)
+        params = sampling_params(request, granted, self.backend.tokenizer.eos_token_id)
+        chat = endpoint == CHAT_COMPLETIONS
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        shape_type = ChatShape if chat else CompletionShape
+        return Job(
+            request_id=request_id,
+            endpoint=endpoint,
+            prompt_ids=prompt_ids,
+            params=params,
+            stream=request.stream,
+            include_usage=request.include_usage,
+            shape=shape_type(request_id, int(time.time()), self.served_name),
+            arrived=arrived,
+        )
+
+    async def admitted_job(self, request: Request, build: Callable[[Any, float], Job]) -> Job:
+        """Read, validate and admit a generation request (taking a slot: release it)."""
+        arrived = time.monotonic()
+        body = await read_json_body(request, self.limits.max_body_bytes)
+        job = build(body, arrived)
+        self.admit()
+        self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+        return job
+
+    # Answers ---------------------------------------------------------------------------------
+
+    async def answer(self, job: Job, request: Request) -> dict[str, Any] | None:
+        """The whole answer's JSON, or None when the client left; 500 when the engine failed."""
+        generation = Generation(self.backend, job, self.metrics)
+        try:
+            text = await text_unless_client_leaves(request, generation)
+        finally:
+            await self.finish(generation)
+        if text is None:
+            self.count(job.endpoint, CLIENT_GONE)
+            return None
+        if generation.error is not None:
+            raise APIError(500, f"generation failed: {generation.error}", "server_error", code="engine_error")
+        self.count(job.endpoint, 200)
+        return job.shape.response(text, generation.finish_reason, generation.usage())
+
+    def stream(self, job: Job) -> tuple[AsyncIterator[str], Callable[[], Awaitable[None]]]:
+        """The answer as server-sent events, and what to run once the response is over (however
+        it ended: complete, the client gone, never started)."""
+        generation = Generation(self.backend, job, self.metrics)
+
+        async def on_close() -> None:
+            await self.finish(generation)
+            status = 200 if generation.finish_reason else 500 if generation.error else CLIENT_GONE
+            self.count(job.endpoint, status)
+
+        return self.events(generation), on_close
+
+    async def events(self, generation: Generation) -> AsyncIterator[str]:
+        """Opening chunks, a chunk per text piece, then the closing chunk (and usage when asked)
+        or an error event; ``[DONE]`` last."""
+        shape = generation.job.shape
+        for chunk in shape.opening_chunks():
+            yield server_sent_event(chunk)
+        try:
+            async for piece in generation.pieces():
+                yield server_sent_event(shape.text_chunk(piece))
+        except Exception as error:  # the 200 is sent: the client hears of it as an error event
+            log.exception("request %s failed while streaming", generation.job.request_id)
+            generation.fail(internal_error(error).message)
+        if generation.error is not None:
+            message = f"generation failed: {generation.error}"
+            yield server_sent_event(error_body(message, "server_error", code="engine_error"))
+        else:
+            yield server_sent_event(shape.closing_chunk(generation.finish_reason))
+            if generation.job.include_usage:
+                yield server_sent_event(shape.usage_chunk(generation.usage()))
+        yield DONE_EVENT
+
+    async def finish(self, generation: Generation) -> None:
+        """After an answer: the backend's request aborted or closed, the slot released, the
+        latency recorded."""
+        try:
+            await generation.close()
+        finally:
+            self.release()
+            self.metrics.latency.observe(time.monotonic() - generation.job.arrived)
+
+    # Other endpoints -------------------------------------------------------------------------
+
+    def count(self, endpoint: str, status: int) -> None:
+        """One request to ``endpoint`` answered with ``status``, in ``tessera_requests_total``."""
+        self.metrics.requests.inc(endpoint=endpoint, status=str(status))
+
+    def models(self) -> dict[str, Any]:
+        """``GET /v1/models``: the one served model."""
+        card = model_card(self.served_name, self.created, self.backend.info.max_model_len)
+        return {"object": "list", "data": [card]}
+
+    def model(self, name: str) -> dict[str, Any]:
+        """``GET /v1/models/{name}``; 404 for another name."""
+        check_model(name, self.served_name)
+        return model_card(self.served_name, self.created, self.backend.info.max_model_len)
+
+    def metrics_page(self) -> str:
+        """``GET /metrics``: the server's counters and the engine's gauges, Prometheus' text format."""
+        try:
+            engine_stats = self.backend.stats()
+        except Exception:  # the counters are still worth reading when the engine's gauges fail
+            log.exception("backend.stats() failed; /metrics leaves the engine's gauges out")
+            engine_stats = {}
+        return self.metrics.render(engine_stats, self.in_flight)
+
+
+def internal_error(error: Exception) -> APIError:
+    """The 500 for an exception nobody expected; its details stay in the server's log."""
+    message = f"internal server error ({type(error).__name__}); see the server's log"
+    return APIError(500, message, "server_error")
