@@ -8,18 +8,20 @@ too few it asks the policy for a victim among the parts resident there and not h
 it one tier down (a host part whose file is current is simply dropped; another is written by a
 background thread and counts as host memory until the write ends). When nothing can move and
 no write is in flight, the budget is too small: :class:`~tessera.memory.tiers.BudgetError`.
+Making room is :mod:`tessera.memory.eviction`; the disk transfers and the residences they pass
+through are :mod:`tessera.memory.transfers`; the idle buffers kept for reuse are
+:mod:`tessera.memory.buffers`.
 
 Working buffers that are not parts (a gathered chunk, a gradient bucket) are counted with
 :meth:`ChunkMemory.reserve` / :meth:`ChunkMemory.unreserve` under the same rules.
 
 Each :meth:`need` is one *use*; the sequence of uses of one training step is the trace that the
 policies read (which part is needed next, and when each part is needed again) and that the
-manager follows to read parts from disk ahead of their use.
+manager follows to read parts from disk ahead of their use (:mod:`tessera.memory.timeline`).
 """
 
 from __future__ import annotations
 
-import bisect
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -27,10 +29,13 @@ from typing import Any, Protocol
 
 import torch
 
+from tessera.memory.buffers import TierBuffers
 from tessera.memory.disk import DiskIO, Transfer
-from tessera.memory.tiers import BudgetError, BufferPool, Part, Residence, Tier, TierLedger
+from tessera.memory.eviction import make_room
+from tessera.memory.tiers import BudgetError, Part, Residence, Tier, TierLedger
+from tessera.memory.timeline import Timeline
+from tessera.memory.transfers import DiskTransfers
 
-_MIB = 2**20
 _ORDER = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2}
 
 
@@ -47,35 +52,6 @@ class Policy(Protocol):
 
     def victim(self, tier: Tier, candidates: Sequence[Part], memory: ChunkMemory) -> Part | None:
         """Which of ``candidates`` (resident in ``tier``, not held) moves down to make room."""
-
-
-class Timeline:
-    """The uses of one training step, in order (the trace), and where each part appears in it."""
-
-    def __init__(self, uses: Sequence[str]) -> None:
-        self.uses = list(uses)
-        self.period = len(self.uses)
-        self.positions: dict[str, list[int]] = {}
-        for i, name in enumerate(self.uses):
-            self.positions.setdefault(name, []).append(i)
-
-    def next_use(self, name: str, cursor: int) -> float:
-        """How many uses from ``cursor`` until ``name`` is used again (inf: never)."""
-        where = self.positions.get(name)
-        if not where:
-            return float("inf")
-        i = bisect.bisect_right(where, cursor)
-        if i < len(where):
-            return where[i] - cursor
-        return where[0] + self.period - cursor
-
-    def locate(self, name: str, cursor: int) -> int:
-        """The position of this use of ``name``: its first position after ``cursor`` (wrapping)."""
-        where = self.positions.get(name)
-        if not where:
-            return cursor
-        i = bisect.bisect_right(where, cursor)
-        return where[i] if i < len(where) else where[0]
 
 
 class ChunkMemory:
@@ -98,12 +74,8 @@ class ChunkMemory:
         self.parts: list[Part] = []
         self._by_name: dict[str, Part] = {}
         self._held: Counter[str] = Counter()
-        self._separate = device.type != "cpu"  # device and host memory are different memories
-        self.device_pool = BufferPool(device)
-        self.host_pool = (
-            BufferPool(torch.device("cpu"), pin=device.type == "cuda") if self._separate else self.device_pool
-        )
-        self._transfers: dict[str, Transfer] = {}  # part name -> disk transfer in flight
+        self.buffers = TierBuffers(device, ledger)
+        self.transfers = DiskTransfers(disk, self.buffers)
         self._last_use: dict[str, int] = {}
         self.uses = 0  # uses since the manager was made
         self.recording: list[str] | None = None  # uses being traced
@@ -132,18 +104,11 @@ class ChunkMemory:
     def place(self, part: Part, tier: Tier, values: torch.Tensor | None = None) -> None:
         """Give an empty part a buffer in ``tier`` (zeros, or a copy of ``values``); a part
         placed on disk is written there (through a host buffer)."""
-        if tier is Tier.DISK:  # written straight from the caller's values (no host room taken)
-            if self.disk is None:
-                raise BudgetError(
-                    f"{part.name} has no room in memory and there is no disk tier: give gemini.offload_dir"
-                )
-            source = torch.zeros(part.numel, dtype=part.dtype) if values is None else values.reshape(-1)
-            self.disk.write(part.name, source.to("cpu", part.dtype).contiguous()).wait()
-            part.file_valid = True
-            part.move_to(Residence.DISK)
+        if tier is Tier.DISK:
+            self.transfers.place(part, values)
             return
         self._make_room(tier, part.nbytes, part.name)
-        buffer = self._take(tier, part.numel, part.dtype)
+        buffer = self.buffers.take(tier, part.numel, part.dtype)
         if values is None:
             buffer.zero_()
         else:
@@ -159,10 +124,10 @@ class ChunkMemory:
         if tier is Tier.DISK:
             raise ValueError("parts are used on the device or the host, not on disk")
         self._use(part)
-        self._reap()
+        self.transfers.reap()
         if part.residence is Residence.EMPTY or (not fill and part.residence is Residence.DISK):
             if part.residence is Residence.DISK:
-                self._drop_file(part)
+                self.transfers.drop_file(part)
             self.place(part, tier)
         else:
             self._bring(part, tier)
@@ -191,18 +156,18 @@ class ChunkMemory:
 
     def drop(self, part: Part) -> None:
         """Free ``part``'s buffer and file (its values are no longer needed)."""
-        self._finish_transfer(part)
+        self.transfers.finish(part)
         if part.residence is Residence.EMPTY:
             return
         if part.residence is Residence.DISK:
-            self._drop_file(part)
+            self.transfers.drop_file(part)
             return
         buffer = part.tensor
         tier = part.residence.tier
         part.move_to(Residence.EMPTY)
         part.tensor = None
         if buffer is not None and tier is not None:
-            self._give(tier, buffer)
+            self.buffers.give(tier, buffer)
         if part.file_valid and self.disk is not None:
             self.disk.remove(part.name)
         part.file_valid = False
@@ -221,7 +186,7 @@ class ChunkMemory:
 
     def reserve(self, tier: Tier, nbytes: int, kind: str, what: str) -> None:
         """Count a working buffer of ``nbytes`` in ``tier`` (room is made first)."""
-        self._reap()
+        self.transfers.reap()
         self._make_room(tier, nbytes, what)
         self.ledger.charge(tier, nbytes, kind, what)
 
@@ -251,14 +216,13 @@ class ChunkMemory:
     def rebalance(self) -> None:
         """Move parts down until every tier is within its budget again (after a block that
         lifted the budgets)."""
-        self._reap()
+        self.transfers.reap()
         for tier in (Tier.DEVICE, Tier.HOST):
             self._make_room(tier, 0, "rebalance")
 
     def settle(self) -> None:
         """Wait for every disk transfer in flight."""
-        for name in list(self._transfers):
-            self._finish_transfer(self._by_name[name])
+        self.transfers.settle()
 
     def close(self) -> None:
         self.settle()
@@ -305,45 +269,6 @@ class ChunkMemory:
             self.cursor = self.timeline.locate(part.name, self.cursor)
 
     # ---- moving parts --------------------------------------------------------------------
-    def _pool(self, tier: Tier) -> BufferPool:
-        return self.device_pool if tier is Tier.DEVICE else self.host_pool
-
-    def _idle_tier(self, tier: Tier) -> Tier:
-        """The tier whose budget a pool's idle buffers count in (host memory, where the device
-        tier is host memory too)."""
-        return tier if self._separate else Tier.HOST
-
-    def _take(self, tier: Tier, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A buffer for a part about to be counted in ``tier``: an idle one of the pool (no longer
-        counted as idle) or a new one."""
-        pool = self._pool(tier)
-        if pool.has(numel, dtype):
-            buffer = pool.take(numel, dtype)
-            self.ledger.credit(self._idle_tier(tier), buffer.numel() * buffer.element_size(), "idle", "pool take")
-            return buffer
-        return pool.take(numel, dtype)
-
-    def _give(self, tier: Tier, buffer: torch.Tensor) -> None:
-        """A buffer a part no longer uses: kept idle for the next part of its size while the
-        budget has room for it (idle buffers count as memory held), else freed."""
-        idle = self._idle_tier(tier)
-        nbytes = buffer.numel() * buffer.element_size()
-        pool = self._pool(tier)
-        if pool.room_for(buffer) and self.ledger.free(idle) >= nbytes:
-            pool.give(buffer)
-            self.ledger.charge(idle, nbytes, "idle", "pool give")
-
-    def _drop_idle(self, tier: Tier) -> bool:
-        """Free the idle buffers counted in ``tier``; whether there were any."""
-        freed = False
-        for pool_tier in (Tier.DEVICE, Tier.HOST):
-            pool = self._pool(pool_tier)
-            if self._idle_tier(pool_tier) is tier and pool.idle_bytes():
-                self.ledger.credit(tier, pool.idle_bytes(), "idle", "pool cleared")
-                pool.clear()
-                freed = True
-        return freed
-
     def _hold(self, part: Part) -> None:
         self._held[part.name] += 1
 
@@ -357,10 +282,10 @@ class ChunkMemory:
 
     def _bring(self, part: Part, tier: Tier) -> None:
         """Move a part that has values up to ``tier`` (DEVICE or HOST), or down from DEVICE."""
-        self._finish_transfer(part)
+        self.transfers.finish(part)
         if part.residence is Residence.DISK:
             self._read(part).wait()
-            self._finish_transfer(part)
+            self.transfers.finish(part)
         if part.residence.tier is tier:
             return
         self._hold(part)  # not a victim of the room made for it
@@ -374,137 +299,48 @@ class ChunkMemory:
         self._make_room(tier, part.nbytes, part.name)
         old = part.tensor
         assert old is not None
-        if self._separate:
-            new = self._take(tier, part.numel, part.dtype)
+        if self.buffers.separate:
+            new = self.buffers.take(tier, part.numel, part.dtype)
             new.copy_(old, non_blocking=False)
         else:
             new = old
         part.move_to(Residence.DEVICE if tier is Tier.DEVICE else Residence.HOST)
         part.tensor = new
-        if self._separate:
-            self._give(Tier.HOST if tier is Tier.DEVICE else Tier.DEVICE, old)
+        if self.buffers.separate:
+            self.buffers.give(Tier.HOST if tier is Tier.DEVICE else Tier.DEVICE, old)
 
     def _send(self, part: Part, tier: Tier) -> None:
         """Move ``part`` down to ``tier``."""
         if part.residence is Residence.DEVICE:
             self._relocate(part, Tier.HOST)
         if tier is Tier.DISK and part.residence is Residence.HOST:
-            self._to_disk(part, wait=False)
-
-    def _to_disk(self, part: Part, wait: bool) -> None:
-        if self.disk is None:
-            raise BudgetError(
-                f"{part.name} must leave host memory but there is no disk tier: give gemini.offload_dir, or raise "
-                f"gemini.host_budget (now {_mib(self.ledger.budget[Tier.HOST])})"
-            )
-        assert part.tensor is not None
-        if part.file_valid:
-            buffer = part.tensor
-            part.move_to(Residence.DISK)
-            part.tensor = None
-            self._give(Tier.HOST, buffer)
-            return
-        part.move_to(Residence.WRITING)
-        self._transfers[part.name] = self.disk.write(part.name, part.tensor)
-        if wait:
-            self._finish_transfer(part)
+            self.transfers.write(part, wait=False)
 
     def _read(self, part: Part, keep_within: float = 0) -> Transfer:
         """Start reading a part on disk into a host buffer (room is made first)."""
-        assert self.disk is not None
         self._hold(part)
         try:
             self._make_room(Tier.HOST, part.nbytes, part.name, keep_within)
         finally:
             self._unhold(part)
-        buffer = self._take(Tier.HOST, part.numel, part.dtype)
-        part.move_to(Residence.READING)
-        part.tensor = buffer
-        transfer = self.disk.read(part.name, buffer)
-        self._transfers[part.name] = transfer
-        return transfer
-
-    def _finish_transfer(self, part: Part) -> None:
-        """Wait for ``part``'s disk transfer, if one is in flight, and record where it is now."""
-        transfer = self._transfers.pop(part.name, None)
-        if transfer is None:
-            return
-        try:
-            transfer.wait()
-        except BaseException:
-            if part.residence is Residence.READING:  # nothing was lost: the file is still there
-                buffer, part.tensor = part.tensor, None
-                part.move_to(Residence.HOST)
-                part.file_valid = True
-                part.move_to(Residence.DISK)
-                if buffer is not None:
-                    self._give(Tier.HOST, buffer)
-            elif part.residence is Residence.WRITING:  # the values are still in the host buffer
-                part.move_to(Residence.HOST)
-            raise
-        if part.residence is Residence.READING:
-            part.move_to(Residence.HOST)
-            part.file_valid = True
-        elif part.residence is Residence.WRITING:
-            buffer = part.tensor
-            part.file_valid = True
-            part.move_to(Residence.DISK)
-            part.tensor = None
-            if buffer is not None:
-                self._give(Tier.HOST, buffer)
-
-    def _reap(self) -> None:
-        """Record the disk transfers that have finished."""
-        for name, transfer in list(self._transfers.items()):
-            if transfer.done():
-                self._finish_transfer(self._by_name[name])
-
-    def _drop_file(self, part: Part) -> None:
-        part.move_to(Residence.EMPTY)
-        part.file_valid = False
-        if self.disk is not None:
-            self.disk.remove(part.name)
+        return self.transfers.read(part, self.buffers.take(Tier.HOST, part.numel, part.dtype))
 
     def _make_room(self, tier: Tier, nbytes: int, what: str, keep_within: float = 0) -> None:
-        """Move parts out of ``tier`` until it has ``nbytes`` free; parts the trace needs within
-        ``keep_within`` uses stay (a prefetch must not push out what comes before it)."""
-        if tier is Tier.DISK:
-            return
-        budget = self.ledger.budget[tier]
-        if budget is not None and nbytes > budget:
-            raise BudgetError(f"{what} needs {_mib(nbytes)} but gemini's {tier.value} budget is {_mib(budget)}")
-        while self.ledger.free(tier) < nbytes:
-            if self._drop_idle(tier):
-                continue
-            if tier is Tier.DEVICE and (self.release_retained() or any(give() for give in self.on_pressure)):
-                continue
-            candidates = [
-                p for p in self.parts
-                if p.residence.tier is tier and p.residence not in (Residence.WRITING, Residence.READING)
-                and not self.held(p) and (not keep_within or self.next_use(p) > keep_within)
-            ]  # fmt: skip
-            victim = self.policy.victim(tier, candidates, self) if candidates else None
-            if victim is not None:
-                self._hold(victim)
-                try:
-                    self._send(victim, Tier.HOST if tier is Tier.DEVICE else Tier.DISK)
-                finally:
-                    self._unhold(victim)
-                continue
-            writing = [self._by_name[n] for n in self._transfers if self._by_name[n].residence is Residence.WRITING]
-            if tier is Tier.HOST and writing:
-                self._finish_transfer(writing[0])  # its buffer comes free when the write ends
-                continue
-            reading = [self._by_name[n] for n in self._transfers if self._by_name[n].residence is Residence.READING]
-            if tier is Tier.HOST and reading and not keep_within:
-                self._finish_transfer(reading[-1])  # read ahead of need: may leave once it has arrived
-                continue
-            held = sorted((p for p in self.parts if p.residence.tier is tier), key=lambda p: -p.nbytes)
-            raise BudgetError(
-                f"{what} needs {_mib(nbytes)} in the {tier.value} tier, which holds {_mib(self.ledger.held[tier])} of "
-                f"its {_mib(budget)} budget in parts that cannot move now ({', '.join(p.name for p in held[:4])}"
-                f"{', ...' if len(held) > 4 else ''}); raise gemini.{tier.value}_budget"
-            )
+        """Move parts out of ``tier`` until it has ``nbytes`` free (:func:`~tessera.memory.eviction.make_room`)."""
+        make_room(self, tier, nbytes, what, keep_within)
+
+    def pick_victim(self, tier: Tier, candidates: Sequence[Part]) -> Part | None:
+        """The part of ``candidates`` (resident in ``tier``, not held) the policy moves down."""
+        return self.policy.victim(tier, candidates, self)
+
+    def evict(self, part: Part, tier: Tier) -> None:
+        """Move ``part`` from ``tier`` one tier down (held meanwhile: not a victim of the room
+        made for it)."""
+        self._hold(part)
+        try:
+            self._send(part, Tier.HOST if tier is Tier.DEVICE else Tier.DISK)
+        finally:
+            self._unhold(part)
 
     def _prefetch_ahead(self) -> None:
         """Start reading the parts on disk that the trace says come next (no further than
@@ -542,12 +378,6 @@ class ChunkMemory:
 
     def tiers_used(self) -> set[Tier]:
         return {p.residence.tier for p in self.parts if p.residence.tier is not None}
-
-
-def _mib(nbytes: float | None) -> str:
-    if nbytes is None:
-        return "unbounded"
-    return f"{nbytes:.0f} bytes" if nbytes < 2**16 else f"{nbytes / _MIB:.2f} MiB"
 
 
 def parts_bytes(parts: Iterable[Part]) -> int:
