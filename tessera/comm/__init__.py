@@ -27,16 +27,14 @@ from tessera.comm.ops import (
     broadcast,
     broadcast_async,
     broadcast_object,
-    get_timeout,
     recv,
     reduce,
     reduce_scatter,
     resolve,
     send,
     set_axis_resolver,
-    set_timeout,
-    watchdog,
 )
+from tessera.comm.tracking import get_timeout, set_timeout, watchdog
 
 __all__ = [
     "AxisGroup",

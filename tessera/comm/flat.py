@@ -17,8 +17,9 @@ import torch.distributed as dist
 
 from tessera.comm.group import AxisGroup
 from tessera.comm.ledger import record
-from tessera.comm.ops import Group, Pending, _enter, _is_gloo, _nbytes, _wait, all_reduce, resolve
+from tessera.comm.ops import Group, Pending, _nbytes, all_reduce, resolve
 from tessera.comm.progress import Entered
+from tessera.comm.tracking import enter, is_gloo, wait_for
 
 
 def _check_flat(full: torch.Tensor, shard: torch.Tensor, size: int, what: str) -> None:
@@ -59,8 +60,8 @@ def all_gather_into(full: torch.Tensor, shard: torch.Tensor, group: Group, async
             full.copy_(shard)
         return Pending(None, "all_gather", g, full)
     record("all_gather", g.name, g.size, _nbytes(full))
-    entered = _enter("all_gather", g)
-    if _is_gloo(g):
+    entered = enter("all_gather", g)
+    if is_gloo(g):
         pending: Pending = _Exchanged("all_gather", full, shard, g, None, entered)
     else:
         pending = Pending(dist.all_gather_single(full, shard, g.pg, async_op=True), "all_gather", g, full, entered)
@@ -95,8 +96,8 @@ def reduce_scatter_into(
             shard.mul_(factor)
         return Pending(None, "reduce_scatter", g, shard)
     record("reduce_scatter", g.name, g.size, _nbytes(full))
-    entered = _enter("reduce_scatter", g)
-    if _is_gloo(g):
+    entered = enter("reduce_scatter", g)
+    if is_gloo(g):
         pending: Pending = _Exchanged("reduce_scatter", full, shard, g, factor, entered)
     else:
         work = dist.reduce_scatter_single(shard, full, dist.ReduceOp.SUM, g.pg, async_op=True)
@@ -117,7 +118,7 @@ class _Scaled(Pending):
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
-            _wait(self._work, self._op, self._group, self._entered)
+            wait_for(self._work, self._op, self._group, self._entered)
             self._work = None
             if self._factor is not None:
                 self._result.mul_(self._factor)
@@ -172,7 +173,7 @@ class _Exchanged(Pending):
         if self._done:
             return self._result
         for work in self._works:
-            _wait(work, self._op, self._group, self._entered)
+            wait_for(work, self._op, self._group, self._entered)
         if self._op == "reduce_scatter":
             me, result = self._group.rank, self._shard
             terms = [self._parts[i] if i == me else self._received[i] for i in range(self._group.size)]

@@ -6,26 +6,23 @@ recorded in the open comm ledgers and waited on under the watchdog: a call that 
 complete within the timeout raises :class:`CommTimeoutError` naming rank, op and axis, and the
 ranks that did not arrive at it: every call is numbered per process group and recorded in the
 launcher's key-value store (:mod:`tessera.comm.progress`), which the timed-out rank reads.
+The numbering, the waits and the watchdog's timeout are :mod:`tessera.comm.tracking`.
 """
 
 from __future__ import annotations
 
-import datetime
-import threading
-import weakref
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tessera.comm import progress
 from tessera.comm.group import AxisGroup
 from tessera.comm.ledger import record
-from tessera.comm.progress import Entered, GroupProgress
-from tessera.errors import CommError, CommTimeoutError
+from tessera.comm.progress import Entered
+from tessera.comm.tracking import enter, enter_transfer, failure, is_gloo, wait_for
+from tessera.errors import CommError
 
 Group = AxisGroup | str
 
@@ -63,154 +60,14 @@ def resolve(group: Group) -> AxisGroup:
     return group
 
 
-# ---- watchdog ------------------------------------------------------------------------------
-
-_timeout_s: float = 300.0  # launch() sets it from config.comm.timeout_s
-
-
-def set_timeout(seconds: float) -> None:
-    """Set the watchdog timeout for every later collective on this rank."""
-    global _timeout_s
-    if seconds <= 0:
-        raise ValueError(f"watchdog timeout must be positive, got {seconds}")
-    _timeout_s = float(seconds)
-
-
-def get_timeout() -> float:
-    return _timeout_s
-
-
-@contextmanager
-def watchdog(seconds: float) -> Iterator[None]:
-    """Use a different watchdog timeout inside the ``with`` block."""
-    previous = _timeout_s
-    set_timeout(seconds)
-    try:
-        yield
-    finally:
-        set_timeout(previous)
-
-
-@dataclass
-class _Track:
-    """What this rank keeps about one process group: whether it runs gloo (asked of torch once per
-    group: p2p calls ask per message) and its progress records."""
-
-    pg: weakref.ref[Any]
-    gloo: bool
-    progress: GroupProgress
-
-
-# id(process group) -> its track; the reference is weak, because a process group kept alive past
-# shutdown keeps its worker threads (see tessera.comm.group), and the track goes with the group
-_tracks: dict[int, _Track] = {}
-_tracks_lock = threading.Lock()  # two threads' first collectives on a group must share one count
-
-
-def _track(group: AxisGroup) -> _Track:
-    pg = group.pg
-    entry = _tracks.get(id(pg))
-    if entry is None or entry.pg() is not pg:
-        with _tracks_lock:
-            entry = _tracks.get(id(pg))
-            if entry is None or entry.pg() is not pg:
-                entry = _tracks[id(pg)] = _new_track(group)
-    return entry
-
-
-def _new_track(group: AxisGroup) -> _Track:
-    key = id(group.pg)
-
-    def forget(ref: weakref.ref[Any]) -> None:
-        entry = _tracks.get(key)
-        if entry is not None and entry.pg is ref:
-            del _tracks[key]
-
-    name = getattr(group.pg, "group_name", "") or "-".join(map(str, group.ranks))  # the same on every member
-    store = _default_store() if progress.recording() else None
-    return _Track(
-        weakref.ref(group.pg, forget),
-        dist.get_backend(group.pg) == "gloo",
-        GroupProgress(store, name, group.global_rank),
-    )
-
-
-def _default_store() -> Any:
-    """The key-value store init_process_group started (None when torch does not say)."""
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:
-        return None
-
-
-def _is_gloo(group: AxisGroup) -> bool:
-    return _track(group).gloo
-
-
-def _enter(op: str, group: AxisGroup) -> Entered:
-    """Number and record a collective this rank enters now on ``group``."""
-    return _track(group).progress.enter(op, group.name, group.ranks)
-
-
-def _describe(op: str, group: AxisGroup) -> str:
-    rank = dist.get_rank() if dist.is_initialized() else group.global_rank
-    return f"rank {rank}: {op} on axis '{group.name}' (group ranks {list(group.ranks)})"
-
-
-def _is_timeout(text: str) -> bool:
-    text = text.lower()
-    return "timed out" in text or "timeout" in text
-
-
-def _failure(
-    exc: BaseException, op: str, group: AxisGroup, entered: Entered | None, limit: str | None = None
-) -> CommError:
-    """The error to raise for a wait on ``op`` that failed with ``exc``; a timeout names the
-    members that did not arrive, read from the store. ``limit`` says which timeout applied
-    (default: the watchdog's)."""
-    text = str(exc)
-    found = None
-    if entered is not None and group.pg is not None:
-        found = progress.diagnose(entered, _track(group).progress.store)
-    limit = limit or f"the watchdog timeout of {_timeout_s:g}s"
-    error: CommError
-    if _is_timeout(text):
-        cause = found.text if found else "a peer rank died, hangs, or skipped this collective"
-        error = CommTimeoutError(f"{_describe(op, group)} did not complete within {limit}: {cause}")
-    elif found and found.missing:  # e.g. gloo's "connection closed by peer", where the peer is only the messenger
-        error = CommError(f"{_describe(op, group)} failed: {found.text}; the backend said: {text}")
-    else:
-        error = CommError(f"{_describe(op, group)} failed: {text}")
-    error.missing_ranks = found.missing if found else ()
-    return error
-
-
-def _wait(work: Any, op: str, group: AxisGroup, entered: Entered | None = None) -> None:
-    """Wait for ``work`` (``entered`` by this rank); on gloo under the watchdog timeout.
-
-    NCCL work is left to its stream semantics (a timed wait would block the CPU on every
-    collective); its hangs are ended by the process-group timeout that launch() sets from the
-    same config value.
-    """
-    if work is None:
-        return
-    try:
-        if _is_gloo(group):
-            work.wait(timeout=datetime.timedelta(seconds=_timeout_s))
-        else:
-            work.wait()
-    except RuntimeError as exc:
-        raise _failure(exc, op, group, entered) from exc
-
-
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
 def _issue(op: str, group: AxisGroup, payload: int, start: Callable[[], Any]) -> None:
     record(op, group.name, group.size, payload)
-    entered = _enter(op, group)
-    _wait(start(), op, group, entered)
+    entered = enter(op, group)
+    wait_for(start(), op, group, entered)
 
 
 def _reduce_op(op: str) -> Any:
@@ -261,7 +118,7 @@ def all_reduce_async(tensor: torch.Tensor, group: Group) -> torch.futures.Future
     if not tensor.is_contiguous():
         raise ValueError("all_reduce_async needs a contiguous tensor")
     record("all_reduce", g.name, g.size, _nbytes(tensor))
-    entered = _enter("all_reduce", g)
+    entered = enter("all_reduce", g)
     work = dist.all_reduce(tensor, dist.ReduceOp.SUM, g.pg, async_op=True)
     assert work is not None
 
@@ -269,7 +126,7 @@ def all_reduce_async(tensor: torch.Tensor, group: Group) -> torch.futures.Future
         try:
             return fut.value()[0]
         except RuntimeError as exc:  # torch hands the caller this error inside its own RuntimeError
-            raise _failure(exc, "all_reduce", g, entered, "the process-group timeout") from exc
+            raise failure(exc, "all_reduce", g, entered, "the process-group timeout") from exc
 
     return work.get_future().then(result)
 
@@ -333,7 +190,7 @@ class Pending:
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
-            _wait(self._work, self._op, self._group, self._entered)
+            wait_for(self._work, self._op, self._group, self._entered)
             self._work = None
         return self._result
 
@@ -347,7 +204,7 @@ def broadcast_async(tensor: torch.Tensor, group: Group, src: int = 0) -> Pending
     if not tensor.is_contiguous():
         raise ValueError("broadcast_async needs a contiguous tensor")
     record("broadcast", g.name, g.size, _nbytes(tensor))
-    entered = _enter("broadcast", g)
+    entered = enter("broadcast", g)
     work = dist.broadcast(tensor, g.global_rank_of(src), g.pg, async_op=True)
     return Pending(work, "broadcast", g, tensor, entered)
 
@@ -396,11 +253,11 @@ def broadcast_object(obj: Any, group: Group, src: int = 0) -> Any:
         return obj
     box = [obj]
     record("broadcast", g.name, g.size, 0)
-    entered = _enter("broadcast", g)
+    entered = enter("broadcast", g)
     try:  # waits inside torch, under the process-group timeout
         dist.broadcast_object_list(box, src=g.global_rank_of(src), group=g.pg)
     except RuntimeError as exc:
-        raise _failure(exc, "broadcast", g, entered, "the process-group timeout") from exc
+        raise failure(exc, "broadcast", g, entered, "the process-group timeout") from exc
     return box[0]
 
 
@@ -434,7 +291,7 @@ def p2p_in_any_order(group: Group) -> bool:
     posted). Not with NCCL, which runs the transfers between two ranks one after another in
     posting order: an early receive holds up every later send to that rank until it is matched."""
     g = resolve(group)
-    return g.size == 1 or _is_gloo(g)
+    return g.size == 1 or is_gloo(g)
 
 
 def batch_p2p(ops: Sequence[P2POp], *, async_op: bool = False) -> list[Pending]:
@@ -460,9 +317,9 @@ def batch_p2p(ops: Sequence[P2POp], *, async_op: bool = False) -> list[Pending]:
             raise ValueError(f"{op.kind} peer {op.peer} is not another member of {g}")
         record(op.kind, g.name, g.size, _nbytes(op.tensor))
         peer = g.global_rank_of(op.peer)
-        issued.append((op, g, peer, _track(g).progress.transfer(op.kind, g.name, g.ranks, peer)))
+        issued.append((op, g, peer, enter_transfer(op.kind, g, peer)))
     works: Sequence[Any]
-    if all(_is_gloo(g) for _, g, _, _ in issued):
+    if all(is_gloo(g) for _, g, _, _ in issued):
         # gloo does not coalesce: batch_isend_irecv would issue these same calls one by one
         works = [(dist.isend if op.kind == "send" else dist.irecv)(op.tensor, peer, g.pg) for op, g, peer, _ in issued]
     else:  # NCCL coalesces the batch into one group call
