@@ -26,8 +26,9 @@ from tessera.comm import AxisGroup
 from tessera.context import ParallelContext
 from tessera.context.placement import ShardSpec, divide
 from tessera.parallel.tensor.common import shard_parameter
-from tessera.planner.ilp import OperatorPlan, is_size_query, target_name
 from tessera.planner.ilp_ops import Need, Sharding, arg
+from tessera.planner.ilp_plan import OperatorPlan
+from tessera.planner.ilp_trace import is_size_query, target_name
 
 __all__ = ["PlannedLayerNorm", "PlannedLinear", "Reshard", "apply_operator_plan", "keep_on_first", "reshard"]
 
