@@ -6,8 +6,8 @@ integer linear program (docs/planner.md, "Operator-level mode (ILP)").
 strategies (:mod:`tessera.planner.ilp_trace`, with :mod:`tessera.planner.ilp_rules`), and picks
 one per node with scipy's HiGHS: the cheapest step (compute per rank, the collectives that
 convert one node's output into what its consumers need, forward and backward, and a small charge
-per parameter byte held). The model's inputs are replicated and its outputs must be. :func:`tessera.planner.ilp_apply.apply_operator_plan` then
-rewrites the graph for one rank.
+per parameter byte held). The model's inputs are replicated and its outputs must be.
+:func:`tessera.planner.ilp_apply.apply_operator_plan` then rewrites the graph for one rank.
 """
 
 from __future__ import annotations
