@@ -50,7 +50,8 @@ from tessera.rlhf_pipeline.config import (
     load_stage_config,
 )
 from tessera.rlhf_pipeline.plan import RolePlan, plan_stage
-from tessera.rlhf_pipeline.run import config_reference, main, run_stage
+from tessera.rlhf_pipeline.reference import config_reference
+from tessera.rlhf_pipeline.run import main, run_stage
 
 __all__ = [
     "STAGES",

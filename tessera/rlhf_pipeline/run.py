@@ -1,5 +1,5 @@
-"""The stages' runs on each rank: the training loops, evaluation, the metrics log, plots and the
-saved model; :func:`main` is what every rank of ``tessera rlhf`` runs."""
+"""The stages' runs on each rank: the training loops and evaluation (what they write and print
+is :mod:`tessera.rlhf_pipeline.output`); :func:`main` is what every rank of ``tessera rlhf`` runs."""
 
 from __future__ import annotations
 
@@ -7,40 +7,25 @@ import argparse
 import dataclasses
 import json
 import math
-import sys
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import tessera
 from tessera import comm
-from tessera.checkpoint import full_state_dict, save_weights
-from tessera.config.schema import (
-    HF_PREFIX,
-    ActivationCheckpointConfig,
-    CommConfig,
-    LaunchConfig,
-    MixedPrecisionConfig,
-    OptimizerConfig,
-    ParallelConfig,
-    ZeroConfig,
-)
 from tessera.context import ParallelContext, get_context
 from tessera.errors import ConfigError
 from tessera.files import write_atomically
 from tessera.rlhf.batches import PreferenceDataset, PromptDataset, SFTDataset, build_rollout_batch
-from tessera.rlhf.dpo import DPOOptions, DPOTrainer
+from tessera.rlhf.dpo import DPOTrainer
 from tessera.rlhf.experience import Frozen, rollout
-from tessera.rlhf.grpo import GRPOOptions, GRPOTrainer
-from tessera.rlhf.plots import Panel, plot_metrics
-from tessera.rlhf.ppo import PPOOptions, PPOTrainer
-from tessera.rlhf.reward import RewardOptions, RewardTrainer
+from tessera.rlhf.grpo import GRPOTrainer
+from tessera.rlhf.ppo import PPOTrainer
+from tessera.rlhf.reward import RewardTrainer
 from tessera.rlhf.rollout import RolloutGenerator
 from tessera.rlhf.sft import SFTTrainer
 from tessera.rlhf.sorting import sorting_reward
 from tessera.rlhf_pipeline.config import (
-    CARD,
     SORTING,
     STAGES,
     WEIGHTS,
@@ -49,7 +34,6 @@ from tessera.rlhf_pipeline.config import (
     GenerationConfig,
     GRPOStageConfig,
     LoopConfig,
-    ModelSpec,
     PPOStageConfig,
     RMStageConfig,
     SFTStageConfig,
@@ -58,6 +42,7 @@ from tessera.rlhf_pipeline.config import (
     default_run_dir,
     load_stage_config,
 )
+from tessera.rlhf_pipeline.output import SHOWN, RunLog, announce_stage, finish_stage, save_engine
 from tessera.rlhf_pipeline.plan import (
     Built,
     RolePlan,
@@ -73,137 +58,6 @@ from tessera.rlhf_pipeline.plan import (
     stop_ids,
     tokenizer_of,
 )
-
-# ---- the run: log, evaluation, output ------------------------------------------------------------
-
-
-class RunLog:
-    """The stage's ``metrics.jsonl`` and its printed lines, written by job rank 0; every rank
-    keeps the records (the same everywhere)."""
-
-    def __init__(self, stage: str, run_dir: Path, total: int, every: int, shown: Sequence[str]) -> None:
-        self.stage, self.total, self.every, self.shown = stage, total, every, tuple(shown)
-        self.writer = get_context().rank == 0
-        self.path = run_dir / "metrics.jsonl"
-        self.records: list[dict[str, Any]] = []
-        self.start = time.perf_counter()
-        if self.writer:
-            self.path.write_text("")
-
-    def write(self, step: int, metrics: Mapping[str, float] | None, evaluation: Mapping[str, float] | None) -> None:
-        due = step % self.every == 0 or step == self.total
-        if evaluation is None and (metrics is None or not due):
-            return
-        record: dict[str, Any] = {"step": step, "time": round(time.perf_counter() - self.start, 3)}
-        record.update(metrics or {})
-        record.update({f"eval/{k}": v for k, v in (evaluation or {}).items()})
-        self.records.append(record)
-        if self.writer:
-            with self.path.open("a") as out:
-                out.write(json.dumps(record) + "\n")
-            shown = [f"{k} {record[k]:.4g}" for k in self.shown if k in record]
-            shown += [f"{k} {v:.4g}" for k, v in record.items() if k.startswith("eval/")]
-            print(
-                f"tessera rlhf {self.stage}: step {step}/{self.total}  " + "  ".join(shown), file=sys.stderr, flush=True
-            )
-
-
-PANELS: dict[str, tuple[Panel, ...]] = {
-    "sft": (Panel("loss", "SFT: loss on response tokens", "nats per token", (("train", "loss"), ("held-out", "eval/loss"))),),
-    "rm": (
-        Panel("loss", "Reward model: pairwise loss", "loss", (("train", "loss"), ("held-out", "eval/loss"))),
-        Panel("accuracy", "Reward model: pairs ranked right", "accuracy",
-              (("train", "accuracy"), ("held-out", "eval/accuracy"))),
-        Panel("margin", "Reward model: chosen - rejected score", "margin",
-              (("train", "margin"), ("held-out", "eval/margin"))),
-    ),
-    "dpo": (
-        Panel("loss", "DPO: loss", "loss", (("train", "loss"), ("held-out", "eval/loss"))),
-        Panel("accuracy", "DPO: pairs ranked right", "accuracy", (("train", "accuracy"), ("held-out", "eval/accuracy"))),
-        Panel("margin", "DPO: implicit reward margin", "beta x log-ratio margin",
-              (("train", "margin"), ("held-out", "eval/margin"))),
-    ),
-    "ppo": (
-        Panel("reward", "PPO: reward", "reward", (("rollouts (sampled)", "reward"), ("held-out (greedy)", "eval/reward"),
-                                                  ("held-out sorting score", "eval/score"))),
-        Panel("kl", "PPO: KL to the reference", "summed KL per response", (("KL", "kl"),)),
-        Panel("loss", "PPO: losses", "loss", (("policy", "policy/loss"), ("value", "value/loss"))),
-    ),
-    "grpo": (
-        Panel("reward", "GRPO: reward", "reward", (("rollouts (sampled)", "reward"), ("held-out (greedy)", "eval/reward"),
-                                                   ("held-out sorting score", "eval/score"))),
-        Panel("kl", "GRPO: KL to the reference (k3)", "KL", (("KL", "kl"),)),
-        Panel("loss", "GRPO: loss", "loss", (("policy", "loss"),)),
-    ),
-}  # fmt: skip
-
-SHOWN = {
-    "sft": ("loss",),
-    "rm": ("loss", "accuracy", "margin"),
-    "dpo": ("loss", "accuracy", "margin"),
-    "ppo": ("reward", "kl", "policy/loss", "value/loss"),
-    "grpo": ("reward", "reward_std", "kl", "loss"),
-}
-
-
-def _means(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    keys = {k for r in records for k, v in r.items() if isinstance(v, int | float) and not k.startswith("eval/")}
-    keys -= {"step", "time"}
-    return {k: sum(r[k] for r in records if k in r) / sum(k in r for r in records) for k in sorted(keys)}
-
-
-def summary(stage: str, records: Sequence[Mapping[str, Any]], seconds: float, steps: int) -> dict[str, Any]:
-    """The figures of a stage: its first and last evaluation, and its training metrics averaged
-    over the first and the last tenth of the logged steps (rollout rewards are noisy)."""
-    evals = [{k[5:]: v for k, v in r.items() if k.startswith("eval/")} | {"step": r["step"]}
-             for r in records if any(k.startswith("eval/") for k in r)]  # fmt: skip
-    trained = [r for r in records if r["step"] > 0]
-    tenth = max(1, len(trained) // 10)
-    return {
-        "stage": stage,
-        "steps": steps,
-        "seconds": round(seconds, 2),
-        "eval_first": evals[0] if evals else None,
-        "eval_last": evals[-1] if evals else None,
-        "train_first": _means(trained[:tenth]) if trained else None,
-        "train_last": _means(trained[-tenth:]) if trained else None,
-    }
-
-
-def _save(engine: Any, path: Path) -> None:
-    """The engine's full state to ``path`` (collective over the engine's ranks; its rank 0 writes)."""
-    state = full_state_dict(engine)
-    if engine.ctx.rank == 0:
-        save_weights(state, path)
-
-
-def _finish(stage: str, cfg: StageConfig, plan: RolePlan, run_dir: Path, log: RunLog, steps: int) -> None:
-    """model.json, the plots and summary.json (job rank 0), once the weights are written."""
-    comm.barrier(get_context().group("world"))  # the weights are on disk before the stage reports done
-    if get_context().rank != 0:
-        return
-    spec = plan.spec
-    if spec.hf_path is not None:  # the next stage may run elsewhere: name the folder whole
-        spec = dataclasses.replace(spec, name=HF_PREFIX + str(Path(spec.hf_path).resolve()))
-    card = {"stage": stage, "value": plan.value, "model": dataclasses.asdict(spec), "weights": WEIGHTS}
-    write_atomically(run_dir / CARD, json.dumps(card, indent=2) + "\n")
-    plots = plot_metrics(log.records, PANELS[stage], run_dir)
-    figures = summary(stage, log.records, time.perf_counter() - log.start, steps)
-    write_atomically(run_dir / "summary.json", json.dumps(figures, indent=2) + "\n")
-    names = ", ".join(p.name for p in plots)
-    print(f"tessera rlhf {stage}: done in {figures['seconds']:.1f} s; wrote {run_dir} ({WEIGHTS}, {names})",
-          file=sys.stderr, flush=True)  # fmt: skip
-
-
-def _announce(stage: str, plans: Mapping[str, RolePlan], extra: str, run_dir: Path, steps: int) -> None:
-    if get_context().rank != 0:
-        return
-    print(f"tessera rlhf {stage}: {steps} steps on {get_context().world_size} rank(s); run folder {run_dir}",
-          file=sys.stderr)  # fmt: skip
-    for plan in plans.values():
-        print(f"  {plan.describe()}  [{plan.spec.describe()}]", file=sys.stderr)
-    if extra:
-        print(f"  {extra}", file=sys.stderr, flush=True)
 
 
 def _total_steps(loop: LoopConfig, rows: int) -> int:
@@ -243,7 +97,7 @@ def _supervised(stage: str, cfg: StageConfig, plans: Mapping[str, RolePlan], run
     trainer, engine = make(built)
     trained = next(iter(plans.values()))
     truncated = getattr(train_set, "truncated", 0)
-    _announce(stage, plans, f"{len(train_set)} training rows" + (f" ({truncated} cut to data.max_len)" if truncated
+    announce_stage(stage, plans, f"{len(train_set)} training rows" + (f" ({truncated} cut to data.max_len)" if truncated
               else "") + (f", {len(eval_set)} held out" if eval_set is not None else ""), run_dir, total)  # fmt: skip
     log = RunLog(stage, run_dir, total, loop.log_every, SHOWN[stage])
     held = _eval_batches(eval_set, engine.ctx, loop) if eval_set is not None else None
@@ -258,8 +112,8 @@ def _supervised(stage: str, cfg: StageConfig, plans: Mapping[str, RolePlan], run
         metrics = trainer.train_step(micro)
         evaluation = trainer.evaluate(held) if held is not None and _due(step, total, loop.eval_every) else None
         log.write(step, metrics, evaluation)
-    _save(engine, run_dir / WEIGHTS)
-    _finish(stage, cfg, trained, run_dir, log, total)
+    save_engine(engine, run_dir / WEIGHTS)
+    finish_stage(stage, cfg, trained, run_dir, log, total)
 
 
 def _example_sets(cls: Any, load: Callable[[str, str], Any], data: ExampleData, tokenizer: Any) -> tuple[Any, Any]:
@@ -372,7 +226,7 @@ def _rl(stage: str, cfg: PPOStageConfig | GRPOStageConfig, plans: Mapping[str, R
         f" x {cfg.grpo.group_size} responses" if isinstance(cfg, GRPOStageConfig) else ""
     )
     reward_text = f"reward: rule {cfg.reward.rule!r}" if cfg.reward.rule is not None else ""
-    _announce(stage, plans, "; ".join(t for t in (extra, reward_text) if t), run_dir, total)
+    announce_stage(stage, plans, "; ".join(t for t in (extra, reward_text) if t), run_dir, total)
     log = RunLog(stage, run_dir, total, loop.log_every, SHOWN[stage])
     if held is not None:
         log.write(0, None, held())
@@ -382,10 +236,10 @@ def _rl(stage: str, cfg: PPOStageConfig | GRPOStageConfig, plans: Mapping[str, R
         metrics = trainer.step(prompts, seed=cfg.seed * 1_000_003 + step)
         log.write(step, metrics, held() if held is not None and _due(step, total, loop.eval_every) else None)
     if actor is not None:
-        _save(actor, run_dir / WEIGHTS)
+        save_engine(actor, run_dir / WEIGHTS)
     if critic is not None:
-        _save(critic, run_dir / "critic.safetensors")
-    _finish(stage, cfg, plans["actor"], run_dir, log, total)
+        save_engine(critic, run_dir / "critic.safetensors")
+    finish_stage(stage, cfg, plans["actor"], run_dir, log, total)
 
 
 def run_ppo(cfg: PPOStageConfig, plans: Mapping[str, RolePlan], run_dir: Path) -> None:
@@ -417,75 +271,6 @@ def run_stage(stage: str, cfg: StageConfig, run_dir: Path) -> None:
         write_atomically(run_dir / "config.json", json.dumps(resolved, indent=2) + "\n")
     comm.barrier(ctx.group("world"))
     RUNNERS[stage](cfg, plans, run_dir)
-
-
-# ---- the config reference ------------------------------------------------------------------------
-
-_OPTION_DOCS: dict[type, dict[str, str]] = {
-    RewardOptions: {"center_rewards_coefficient": "Weight of mean((chosen + rejected)^2) added to the loss: keeps scores near 0."},
-    DPOOptions: {
-        "beta": "Strength of the KL constraint to the reference.",
-        "loss_type": "'sigmoid' (DPO), 'hinge' (SLiC) or 'ipo'.",
-        "label_smoothing": "cDPO's probability that a label is wrong (sigmoid only).",
-        "reference_free": "Take the reference's log-probs as 0 (no reference model).",
-    },
-    PPOOptions: {
-        "kl_coef": "The KL penalty's coefficient (the start value with kl_target).",
-        "kl_target": "Adapt the coefficient towards this KL (Ziegler et al.); None: fixed.",
-        "kl_horizon": "The adaptive controller's horizon.",
-        "kl_estimator": "k1, abs, mse or k3.",
-        "gamma": "GAE's discount.",
-        "lam": "GAE's lambda.",
-        "clip_eps": "The policy ratio's clip.",
-        "clip_value": "The value's clip; None: none.",
-        "clip_score": "Clip the scores to +-this; None: none.",
-        "whiten_advantages": "Normalise advantages over the batch.",
-        "epochs": "Passes over each rollout batch.",
-        "minibatches": "Optimizer steps per pass.",
-    },
-    GRPOOptions: {
-        "group_size": "Responses per prompt.",
-        "beta": "The k3 KL term's weight (0: no reference model).",
-        "clip_eps": "The ratio's clip.",
-        "loss_type": "'grpo', 'bnpo' or 'dr_grpo' (how tokens are averaged).",
-        "scale_rewards": "Divide advantages by the group's standard deviation (False: Dr. GRPO).",
-        "epochs": "Passes over each batch of groups.",
-        "minibatches": "Optimizer steps per pass.",
-    },
-}  # fmt: skip
-
-
-def config_reference(stage: str) -> list[tuple[str, str, str, str]]:
-    """Every key of ``stage``'s config: ``(key, type, default, meaning)`` rows (the tessera
-    sections inside a model's layout are named, not expanded: docs/config.md has them)."""
-    from tessera.config.loading import type_name
-
-    rows: list[tuple[str, str, str, str]] = []
-    tessera_sections = (ParallelConfig, ZeroConfig, MixedPrecisionConfig, ActivationCheckpointConfig, OptimizerConfig,
-                        LaunchConfig, CommConfig)  # fmt: skip
-
-    def walk(cls: Any, prefix: str) -> None:
-        import typing
-
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            key = prefix + ("from" if f.name == "from_" else f.name)
-            tp = hints[f.name]
-            doc = f.metadata.get("doc") or _OPTION_DOCS.get(cls, {}).get(f.name, "")
-            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-            if dataclasses.is_dataclass(tp) and tp not in tessera_sections:
-                rows.append((key, "section", "", doc))
-                walk(tp, key + ".")
-            elif tp == ModelSpec | None:
-                rows.append((key, "section", "", doc))
-                walk(ModelSpec, key + ".")
-            elif dataclasses.is_dataclass(tp):
-                rows.append((key, "section", "", doc + " (docs/config.md)"))
-            else:
-                rows.append((key, type_name(tp), repr(default), doc))
-
-    walk(STAGES[stage], "")
-    return rows
 
 
 # ---- each rank's entry point ---------------------------------------------------------------------
