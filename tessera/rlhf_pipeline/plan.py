@@ -1,29 +1,25 @@
 """Before any process starts: each model's ranks, layout, architecture and weights, checked
-(:func:`plan_stage`); the data each stage reads; and building the models on a rank."""
+(:func:`plan_stage`), and the data each stage reads; building the models on a rank is
+:mod:`tessera.rlhf_pipeline.build`."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
-import tessera
-from tessera.checkpoint import load_full_state_dict, load_weights
 from tessera.config import Config, build, parallel_dims
 from tessera.config.schema import (
     OptimizerConfig,
 )
-from tessera.context import ParallelContext, ParallelDims, get_context
+from tessera.context import ParallelContext, ParallelDims
 from tessera.errors import ConfigError
-from tessera.inference.text import ByteTokenizer
 from tessera.rlhf.data import (
-    HFTokenizer,
     PreferenceExample,
     PromptExample,
     SFTExample,
@@ -33,8 +29,6 @@ from tessera.rlhf.data import (
     read_jsonl,
     sft_from_preferences,
 )
-from tessera.rlhf.experience import Frozen, text_reward
-from tessera.rlhf.models import ValueModel, value_model
 from tessera.rlhf.sorting import sorting_files
 from tessera.rlhf_pipeline.config import (
     CARD,
@@ -42,7 +36,6 @@ from tessera.rlhf_pipeline.config import (
     WEIGHTS,
     DPOStageConfig,
     FrozenLayout,
-    GenerationConfig,
     GRPOStageConfig,
     ModelSpec,
     PPOStageConfig,
@@ -50,7 +43,7 @@ from tessera.rlhf_pipeline.config import (
     SFTStageConfig,
     StageConfig,
 )
-from tessera.session import current_config, set_session
+from tessera.rlhf_pipeline.tokens import stop_ids, tokenizer_of
 
 # ---- the plan: each model's ranks, layout, architecture and weights ------------------------------
 
@@ -308,163 +301,3 @@ def chunks(rows: Sequence[int], count: int) -> list[list[int]]:
     """``rows`` cut into ``count`` contiguous parts as equal as can be."""
     bounds = [round(i * len(rows) / count) for i in range(count + 1)]
     return [list(rows[bounds[i] : bounds[i + 1]]) for i in range(count)]
-
-
-# ---- building the models -------------------------------------------------------------------------
-
-
-def tokenizer_of(spec: ModelSpec) -> Any:
-    """The tokenizer of an architecture: bytes for tessera's GPT; an hf: folder's own (bytes
-    when it has none)."""
-    if spec.hf_path is None:
-        return ByteTokenizer()
-    from tessera.hf.train import find_causal_lm
-
-    lm = find_causal_lm(spec.hf_path, spec.options)
-    return HFTokenizer(lm.tokenizer) if lm.tokenizer is not None else ByteTokenizer()
-
-
-def stop_ids(generation: GenerationConfig, tokenizer: Any) -> tuple[int, ...]:
-    """The stop token ids: ``stop_token_ids``, each stop string's token, the tokenizer's EOS."""
-    ids = [int(t) for t in generation.stop_token_ids]
-    for text in generation.stop:
-        tokens = list(tokenizer.encode(text))
-        if len(tokens) != 1:
-            raise ConfigError(
-                f"generation.stop: {text!r} is {len(tokens)} tokens of the tokenizer; give one-token stops"
-            )
-        ids.append(tokens[0])
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if eos is not None:
-        ids.append(int(eos))
-    return tuple(dict.fromkeys(ids))
-
-
-def causal_lm(spec: ModelSpec) -> nn.Module:
-    """A causal LM of ``spec`` with seeded random weights (an hf: folder's own when it has them),
-    built under the current context (its tensor layers split themselves)."""
-    if spec.hf_path is None:
-        from tessera.models import gpt
-
-        return gpt(spec.preset, **spec.options)
-    from tessera.hf.train import find_causal_lm
-
-    lm = find_causal_lm(spec.hf_path, spec.options)
-    if lm.weights:
-        model: nn.Module = lm.cls.from_pretrained(str(lm.path), dtype=torch.float32, **spec.options)  # type: ignore[attr-defined]
-        return model
-    import transformers
-
-    built: nn.Module = transformers.AutoModelForCausalLM.from_config(lm.config, dtype=torch.float32)
-    return built
-
-
-def load_into(model: nn.Module, weights: Path, role: str) -> None:
-    """``weights`` (a full state) into ``model`` in its layout: whole, or, for a value model given
-    a causal LM's weights, into its backbone."""
-    state = load_weights(weights)
-    holds_head = "score.weight" in state
-    try:
-        if isinstance(model, ValueModel) and not holds_head:
-            model.load_backbone(state)
-        elif holds_head and not isinstance(model, ValueModel):
-            raise ConfigError(
-                f"{role}: {weights} holds a value model (a reward model or critic), not a causal LM; give an sft, "
-                "dpo, ppo or grpo folder"
-            )
-        else:
-            load_full_state_dict(model, state)
-    except (KeyError, ValueError) as exc:
-        if isinstance(exc, ConfigError):
-            raise
-        raise ConfigError(f"{role}: {weights} does not fit the model: {exc}") from None
-
-
-class StopPenalty(nn.Module):
-    """A reward model whose value at every token other than a stop token is ``penalty`` lower:
-    a row's score, read at its last token, drops by ``penalty`` when its response was cut off
-    before a stop token (``reward.missing_stop_penalty``). ``model``: a value model, or a frozen
-    one (:class:`~tessera.rlhf.experience.Frozen`, an engine's forward under its layout)."""
-
-    def __init__(self, model: Callable[..., torch.Tensor], stops: Sequence[int], penalty: float) -> None:
-        super().__init__()
-        self.model, self.penalty = model, penalty
-        self.stops = tuple(int(t) for t in stops)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        values = self.model(input_ids, attention_mask)
-        unstopped = ~torch.isin(input_ids, torch.tensor(self.stops, device=input_ids.device))
-        return values - self.penalty * unstopped.to(values.dtype)
-
-
-def rule_reward(rule: Callable[[str, str], float], tokenizer: Any, stops: Sequence[int], penalty: float) -> Any:
-    """The job's reward from a rule on text, ``penalty`` lower for a response that does not end
-    with one of ``stops``."""
-    scored = text_reward(rule, tokenizer)
-    if not penalty:
-        return scored
-    ends = set(stops)
-
-    def score(prompt: Sequence[int], response: Sequence[int]) -> float:
-        stopped = bool(response) and response[-1] in ends
-        return scored(prompt, response) - (0.0 if stopped else penalty)
-
-    return score
-
-
-class Built:
-    """A stage's models on this rank: the contexts of every role (built collectively, in the
-    plan's order) and what this rank holds of them."""
-
-    def __init__(self, plans: Mapping[str, RolePlan]) -> None:
-        self.plans = plans
-        self.job = get_context()
-        self.job_config = current_config()
-        self.contexts: dict[str, ParallelContext | None] = {}
-        for role, plan in plans.items():  # collective over the job: every rank, the same order
-            if role == "reference" and "policy" in plans:
-                self.contexts[role] = self.contexts["policy"]  # DPO: the reference beside the policy
-                continue
-            self.contexts[role] = ParallelContext.on_ranks(
-                plan.ranks, plan.dims, device=self.job.device, seed=plan.config.seed
-            )
-
-    def module(self, role: str, *, head_std: float | None = None) -> nn.Module | None:
-        """The role's model built on this rank under its context (None where it is not held),
-        its weights loaded, on the context's device."""
-        plan, ctx = self.plans[role], self.contexts[role]
-        if ctx is None:
-            return None
-        set_session(ctx, plan.config)  # tessera's layers split themselves for the current context
-        try:
-            torch.manual_seed(plan.config.seed)  # the same random weights on every rank
-            model = causal_lm(plan.spec)
-            if plan.value:
-                model = value_model(model, head_std=head_std, head_seed=plan.config.seed)
-            if plan.weights is not None:
-                load_into(model, plan.weights, role)
-        finally:
-            set_session(self.job, self.job_config)
-        return model.to(ctx.device)
-
-    def engine(self, role: str, *, head_std: float | None = None) -> Any:
-        """The role's engine on this rank (None where it is not held): its layout applied, its
-        optimizer built (a frozen model's never steps: ``tessera.initialize`` needs one)."""
-        model = self.module(role, head_std=head_std)
-        if model is None:
-            return None
-        from tessera.train import build_optimizer
-
-        plan = self.plans[role]
-        if plan.optimizer is not None:
-            optimizer = build_optimizer(model, plan.optimizer)
-        else:
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # no state: it never steps
-        engine, _, _, _ = tessera.initialize(model, optimizer, ctx=self.contexts[role], config=plan.config)
-        return engine
-
-    def frozen(self, role: str) -> Frozen | None:
-        """The role's frozen model on this rank (None where it is not held), run through its
-        engine's forward: ZeRO-3's pieces, tensor-parallel blocks, mixed precision."""
-        engine = self.engine(role)
-        return Frozen(engine) if engine is not None else None

@@ -25,6 +25,7 @@ from tessera.rlhf.reward import RewardTrainer
 from tessera.rlhf.rollout import RolloutGenerator
 from tessera.rlhf.sft import SFTTrainer
 from tessera.rlhf.sorting import sorting_reward
+from tessera.rlhf_pipeline.build import Built, StopPenalty, rule_reward
 from tessera.rlhf_pipeline.config import (
     SORTING,
     STAGES,
@@ -44,20 +45,16 @@ from tessera.rlhf_pipeline.config import (
 )
 from tessera.rlhf_pipeline.output import SHOWN, RunLog, announce_stage, finish_stage, save_engine
 from tessera.rlhf_pipeline.plan import (
-    Built,
     RolePlan,
-    StopPenalty,
     chunks,
     data_share,
     index_batches,
     plan_stage,
     preference_examples,
     prompt_examples,
-    rule_reward,
     sft_examples,
-    stop_ids,
-    tokenizer_of,
 )
+from tessera.rlhf_pipeline.tokens import stop_ids, tokenizer_of
 
 
 def _total_steps(loop: LoopConfig, rows: int) -> int:

@@ -20,9 +20,11 @@ from tessera.models import gpt
 from tessera.rlhf import sorting_reward, value_model
 from tessera.rlhf.plots import Panel, line_plot_svg, nice_ticks, plot_metrics
 from tessera.rlhf_pipeline import STAGES, config_reference, load_stage_config, plan_stage
+from tessera.rlhf_pipeline.build import StopPenalty, load_into, rule_reward
 from tessera.rlhf_pipeline.config import ModelSpec
 from tessera.rlhf_pipeline.output import summary
-from tessera.rlhf_pipeline.plan import StopPenalty, chunks, index_batches, load_into, rule_reward, stop_ids
+from tessera.rlhf_pipeline.plan import chunks, index_batches
+from tessera.rlhf_pipeline.tokens import stop_ids
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples" / "rlhf"
