@@ -155,19 +155,26 @@ def measure_body(layout_fields: dict[str, Any], preset: str, seq: int, steps: in
     gc.collect()
     trim_heap()
     assert base is not None and peak is not None
-    return {"peak": peak - base, "ledger": ledger["total"], "step_s": statistics.median(times), "loss": losses[-1]}
+    step_s = statistics.median(times) if times else None  # timed=0: memory only
+    return {"peak": peak - base, "ledger": ledger["total"], "step_s": step_s, "loss": losses[-1]}
 
 
 def measure(
-    layouts: list[Layout], preset: str = PRESET, seq: int = SEQ, steps: int = 2, timed: int = 3
+    layouts: list[Layout],
+    preset: str = PRESET,
+    seq: int = SEQ,
+    steps: int = 2,
+    timed: int = 3,
+    start_method: str = "spawn",
 ) -> list[dict[str, Any]]:
     """Measure each layout on fresh ranks: a process that ran another layout before keeps part
-    of what it freed resident (glibc's heaps), and a later peak would grow less above it."""
+    of what it freed resident (glibc's heaps), and a later peak would grow less above it
+    (``start_method="forkserver"``: fresh ranks forked from a server that has imported torch)."""
     from tessera.testing import RankPool
 
     out = []
     for layout in layouts:
-        pool = RankPool(layout.world)
+        pool = RankPool(layout.world, start_method=start_method)
         try:
             ranks = pool.run(measure_body, dataclasses.asdict(layout), preset, seq, steps, timed, timeout=600)
         finally:
@@ -183,8 +190,10 @@ def measure(
                 "per_rank_peak": [r["peak"] for r in ranks],
             }
         )
+        step = ranks[0]["step_s"]
         print(
-            f"  {layout.name():<40} peak {peak / 2**20:8.1f} MiB  step {ranks[0]['step_s']:.3f} s",
+            f"  {layout.name():<40} peak {peak / 2**20:8.1f} MiB"
+            + (f"  step {step:.3f} s" if step is not None else ""),
             file=sys.stderr,
             flush=True,
         )

@@ -44,13 +44,14 @@ class Search:
     """The longest-sequence search: ``budget`` bytes per rank; lengths are multiples of
     ``grain`` (every layout's pieces divide it) up to ``max_length`` (the position embedding's
     size in every run, so that every run trains the same model); ``bisections`` halvings after
-    the doubling; the GPT's width."""
+    the doubling; the GPT's width; the rank counts of the sequence axis compared with one rank."""
 
     budget: int = 96 * _MIB
     grain: int = 256
     max_length: int = 32768
     bisections: int = 3
     d_model: int = 128
+    ranks: tuple[int, ...] = (2, 4)
 
 
 SEARCH = Search()
@@ -144,8 +145,8 @@ def longest_rows(
     and 4 ranks, or on ``pools``' (:func:`~tessera.bench.pools.rank_pool`)."""
     found: dict[str, dict[int, int | None]] = {}
     with ExitStack() as stack:
-        pool_of = {n: stack.enter_context(rank_pool(n, pools)) for n in (1, 2, 4)}
-        for ranks in (1, 2, 4):
+        pool_of = {n: stack.enter_context(rank_pool(n, pools)) for n in (1, *search.ranks)}
+        for ranks in (1, *search.ranks):
             sides = [("sp", mode) for mode in (MODES if ranks > 1 else ("plain",))]
             sides += [("tp", "1d-sp")] if ranks > 1 else []
             for system, mode in sides:
@@ -154,7 +155,7 @@ def longest_rows(
                 print(f"  {label}: longest {_longest(found[label], search.budget)}", flush=True)
     one = _longest(found["one rank"], search.budget)
     rows = []
-    for ranks in (2, 4):
+    for ranks in search.ranks:
         tp = _longest(found[f"tp 1d-sp x{ranks}"], search.budget)
         for mode in MODES:
             mine = _longest(found[f"sp {mode} x{ranks}"], search.budget)

@@ -15,7 +15,9 @@ from tessera.testing import tolerance, use_layout
 from tests.dist.test_tp_models import GLOBAL_BATCH, build, criterion, dataset
 
 # the start is compared bitwise; a few AdamW steps then show the deferred model trains alike
+# (the narrow builds 4 steps; the presets, larger, 2: past the first step and bias correction)
 STEPS = 4
+PRESET_STEPS = 2
 
 # name: (pool, data, tensor, mode, depth, pipeline, zero stage) -- the layouts the issue names
 CASES = {
@@ -34,6 +36,10 @@ CASES = {
 PRESETS = {"gpt-tiny": "tiny", "gpt-small": "small"}
 KINDS = ["gpt", "vit", *PRESETS]
 BLOCKS = {"gpt": 2, "vit": 2, "gpt-tiny": 4, "gpt-small": 6}
+
+
+def steps_of(kind: str) -> int:
+    return PRESET_STEPS if kind in PRESETS else STEPS
 
 
 def make(kind: str) -> torch.nn.Module:
@@ -65,7 +71,7 @@ def run(kind: str, case: tuple | None, deferred: bool):
     engine, loader, _, _ = tessera.initialize(model, optimizer, criterion(family), loader)
     initial = full_state_dict(engine)
     it = iter(loader)
-    losses = [engine.train_batch(it) for _ in range(STEPS)]
+    losses = [engine.train_batch(it) for _ in range(steps_of(kind))]
     final = full_state_dict(engine)
     return losses, (initial, final) if ctx.rank == 0 else None
 
@@ -85,7 +91,7 @@ def test_deferred_model_starts_and_trains_as_single_process(pools, references, k
     assert initial.keys() == ref_initial.keys()
     for key in ref_initial:
         assert torch.equal(initial[key], ref_initial[key]), f"{name}: {key} is not the single-process initial value"
-    tol = tolerance(blocks=BLOCKS[kind], steps=STEPS)
+    tol = tolerance(blocks=BLOCKS[kind], steps=steps_of(kind))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **tol)
     for key in ref_final:
         torch.testing.assert_close(final[key], ref_final[key], **tol, msg=key)

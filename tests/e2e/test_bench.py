@@ -151,10 +151,11 @@ def test_bench_recompute_rows(tmp_path, pools):
 def test_bench_sp_rows(tmp_path, pools):
     from tessera.bench import sp
 
-    search = sp.Search(budget=256 * 2**20, grain=64, max_length=128, bisections=0, d_model=32)
+    # 2 ranks only (the bench's 4-rank sides run the same code on a larger pool)
+    search = sp.Search(budget=256 * 2**20, grain=64, max_length=128, bisections=0, d_model=32, ranks=(2,))
     rows, found = sp.longest_rows(search, pools)
     data = check(rows, tmp_path, {"tokens"})
-    assert len(data) == 2 * 2 * 3  # two rank counts x three modes x (vs one rank, vs tensor parallelism)
+    assert len(data) == 1 * 2 * 3  # one rank count x three modes x (vs one rank, vs tensor parallelism)
     assert all(set(seen) == {64, 128} for seen in found.values()), found  # both lengths fit a generous budget
     rows, note = sp.speed_rows(blocks=2, steps=1, length=256, pools=pools)
     assert rows or note  # the comparison with torch's context_parallel, or why it could not run

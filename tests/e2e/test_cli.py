@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tessera.testing import free_port
@@ -22,6 +23,12 @@ def tessera_cmd() -> list[str]:
 def run(args: list[str], env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def run_together(*commands: list[str], timeout: float = 120) -> list[subprocess.CompletedProcess]:
+    """``run`` each of ``commands`` at once (independent launches: each picks its own port), in order."""
+    with ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(lambda args: run(args, timeout=timeout), commands))
 
 
 def results(text: str) -> list[dict[str, str]]:

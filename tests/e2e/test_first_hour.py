@@ -8,11 +8,12 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_cli import PROBE, results, run, tessera_cmd
+from tests.e2e.test_cli import PROBE, results, run, run_together, tessera_cmd
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -80,13 +81,24 @@ def test_version_and_help_answer_without_importing_torch():
 def test_run_counts_processes_from_the_flag_or_the_config(tmp_path):
     config = tmp_path / "c.toml"
     config.write_text("seed = 1\n")
-    out = run([*tessera_cmd(), "run", str(PROBE), "torch", str(config)])  # no flag: one process
-    assert out.returncode == 0, out.stderr
-    assert [(r["rank"], r["world"]) for r in results(out.stdout)] == [("0", "1")]
     named = tmp_path / "named.toml"
     named.write_text("[launch]\nnproc_per_node = 2\n")  # --config: its process count, and --set reaches the ranks
-    out = run([*tessera_cmd(), "run", "--config", str(named), "--set", "parallel.tensor.size=2",
-               str(PROBE), "torch", str(named)])  # fmt: skip
+    alone, out = run_together(
+        [*tessera_cmd(), "run", str(PROBE), "torch", str(config)],  # no flag: one process
+        [
+            *tessera_cmd(),
+            "run",
+            "--config",
+            str(named),
+            "--set",
+            "parallel.tensor.size=2",
+            str(PROBE),
+            "torch",
+            str(named),
+        ],
+    )
+    assert alone.returncode == 0, alone.stderr
+    assert [(r["rank"], r["world"]) for r in results(alone.stdout)] == [("0", "1")]
     assert out.returncode == 0, out.stderr
     assert [(r["rank"], r["world"], r["tensor"]) for r in results(out.stdout)] == [("0", "2", "2"), ("1", "2", "2")]
 
@@ -110,11 +122,13 @@ def test_an_error_on_every_rank_is_printed_once_and_logged_per_rank(tmp_path):
 
 def test_a_script_runs_without_a_launcher_as_under_tessera_run_with_one_process():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    alone = subprocess.run([sys.executable, "examples/my_train.py"], capture_output=True, text=True, cwd=REPO,
-                           env={**env, "OMP_NUM_THREADS": "1"}, timeout=300)  # fmt: skip
+    with ThreadPoolExecutor(1) as other:  # one process each: both at once
+        plain = other.submit(subprocess.run, [sys.executable, "examples/my_train.py"], capture_output=True, text=True,
+                             cwd=REPO, env={**env, "OMP_NUM_THREADS": "1"}, timeout=300)  # fmt: skip
+        launched = run([*tessera_cmd(), "run", "--nproc-per-node", "1", str(REPO / "examples" / "my_train.py"),
+                        str(REPO / "examples" / "my_config.py")], timeout=300)  # fmt: skip
+        alone = plain.result()
     assert alone.returncode == 0, alone.stderr
-    launched = run([*tessera_cmd(), "run", "--nproc-per-node", "1", str(REPO / "examples" / "my_train.py"),
-                    str(REPO / "examples" / "my_config.py")], timeout=300)  # fmt: skip
     assert launched.returncode == 0, launched.stderr
     losses = [line for line in alone.stdout.splitlines() if line[:1].isdigit()]
     assert len(losses) == 3 and losses == [line for line in launched.stdout.splitlines() if line[:1].isdigit()]

@@ -13,7 +13,7 @@ from tessera.testing import free_port
 from tests.e2e.test_cli import HERE, results, tessera_cmd
 
 SHORT_RUN = HERE / "scripts" / "short_run.py"
-RUNS = 4
+RUNS = 3  # six ranks and three launchers ending together on the machine's two cores
 
 
 def test_short_two_rank_runs_all_exit_zero(tmp_path):
