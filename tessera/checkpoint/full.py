@@ -7,22 +7,19 @@ from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tessera import comm
+from tessera.checkpoint.protocols import HoldsStrategy
 from tessera.context import ParallelContext
 from tessera.context.placement import Placement, ReleasableStorage, placement_of, storages_of
 from tessera.files import atomic_path
 from tessera.memory.deferred import allocate
 from tessera.parallel.strategy import Strategy, state_dict_keys
 from tessera.parallel.tensor.common import gather_full, local_shard
-
-if TYPE_CHECKING:
-    from tessera.engine import Engine
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -32,11 +29,10 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def _module_and_strategy(source: nn.Module | Engine) -> tuple[nn.Module, Strategy | None]:
+def _module_and_strategy(source: nn.Module | HoldsStrategy) -> tuple[nn.Module, Strategy | None]:
     """The user's module of a model or an engine, and the engine's strategy (None for a model)."""
-    strategy = getattr(source, "strategy", None)
-    if isinstance(strategy, Strategy):
-        return strategy.module, strategy
+    if isinstance(source, HoldsStrategy) and isinstance(source.strategy, Strategy):
+        return source.strategy.module, source.strategy
     if isinstance(source, nn.Module):
         return _unwrap(source), None
     raise TypeError(f"full state dicts are taken of a model or an engine, not of {type(source).__name__}")
@@ -50,7 +46,7 @@ def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in named.items() if k in keys}
 
 
-def full_state_dict(source: nn.Module | Engine) -> dict[str, torch.Tensor]:
+def full_state_dict(source: nn.Module | HoldsStrategy) -> dict[str, torch.Tensor]:
     """Every parameter and buffer as full CPU tensors under single-process keys.
 
     ``source``: an engine, or a model (the user's module, or a wrapper of it). Given an engine
@@ -100,7 +96,7 @@ class FullStateStream:
 
 
 @contextmanager
-def streamed_full_state(source: nn.Module | Engine) -> Iterator[FullStateStream]:
+def streamed_full_state(source: nn.Module | HoldsStrategy) -> Iterator[FullStateStream]:
     """:func:`full_state_dict` one tensor at a time, for writers that keep no more than one
     full tensor (collective; iterate the stream inside the block). Weights the strategy keeps
     apart (fp32 masters) are gathered on entry, and released storage (ZeRO-3's chunks) stays

@@ -28,8 +28,11 @@ import torch
 from torch import nn
 
 from tessera.checkpoint.format import CheckpointError
+from tessera.checkpoint.protocols import TrainingState
 from tessera.checkpoint.runstate import rng_tensors
+from tessera.context import ParallelContext
 from tessera.context.views import HeldTensor, View, whole_view
+from tessera.parallel.strategy import Strategy
 
 
 @dataclass
@@ -74,7 +77,7 @@ class Holding:
 
 @dataclass
 class _Listing:
-    strategy: Any
+    strategy: Strategy
     registries: list[dict[str, Any]]  # every module's _parameters, _buffers and _modules
     registered: list[int]  # ids of every module's parameters, buffers and children
     states: list[int]  # ids of the optimizer's per-parameter state values
@@ -117,7 +120,7 @@ def shapes(tensors: Sequence[torch.Tensor]) -> list[torch.Size]:
     return list(map(_shape, tensors))
 
 
-def holding(engine: Any, check_layout: bool = True) -> Holding:
+def holding(engine: TrainingState, check_layout: bool = True) -> Holding:
     """This rank's pieces of ``engine`` now (a kept listing when it still holds).
 
     ``check_layout=False`` leaves out checking each kept tensor's dtype and shape, for a caller
@@ -145,7 +148,7 @@ def holding(engine: Any, check_layout: bool = True) -> Holding:
     return Holding(listing.pieces + rng, listing.signature + rng_signature, other, listing.aliases, kept)
 
 
-def _rng_pieces(ctx: Any, listing: _Listing) -> tuple[list[Piece], Signature]:
+def _rng_pieces(ctx: ParallelContext, listing: _Listing) -> tuple[list[Piece], Signature]:
     """This rank's random states as pieces, and their signature: the same objects as at the
     last save while the states' names and sizes hold (so that comparing signatures is quick)."""
     states = rng_tensors(ctx)
@@ -164,7 +167,7 @@ def _layout_holds(listing: _Listing) -> bool:
     return dtypes(listing.tensors) == listing.dtypes and shapes(listing.tensors) == listing.shapes
 
 
-def _list(engine: Any, states: Any) -> _Listing:
+def _list(engine: TrainingState, states: Any) -> _Listing:
     strategy = engine.strategy
     held: list[HeldTensor] = strategy.checkpoint_tensors()
     pieces = [Piece(f"model/{h.key}", h.tensor, h.view) for h in held]

@@ -18,6 +18,7 @@ from tessera.checkpoint.background import wait_for_saves
 from tessera.checkpoint.format import CheckpointError, dtype_of, read_index, reading
 from tessera.checkpoint.holding import aliases, optimizer_params
 from tessera.checkpoint.placing import fill
+from tessera.checkpoint.protocols import TrainingState
 from tessera.checkpoint.runstate import layout_of, restore_float, restore_rng
 from tessera.context.views import HeldTensor
 from tessera.parallel.strategy import state_dict_keys
@@ -26,7 +27,7 @@ from tessera.parallel.strategy import state_dict_keys
 _KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 
-def load(path: str | Path, engine: Any, *, dataloader: Any = None) -> int:
+def load(path: str | Path, engine: TrainingState, *, dataloader: Any = None) -> int:
     """Load the checkpoint folder ``path`` into ``engine`` (any layout; collective) and, if
     given, ``dataloader``'s position; returns the step it was saved at."""
     wait_for_saves()
@@ -35,7 +36,7 @@ def load(path: str | Path, engine: Any, *, dataloader: Any = None) -> int:
     with engine.strategy.checkpoint_session():
         _load_tensors(folder, index, engine)
     engine.load_state_dict(index["engine"])
-    scheduler = getattr(engine, "lr_scheduler", None)
+    scheduler = engine.lr_scheduler
     if scheduler is not None and index.get("scheduler") is not None:
         scheduler.load_state_dict(index["scheduler"])
     if dataloader is not None and index.get("dataloader") is not None:
@@ -43,7 +44,7 @@ def load(path: str | Path, engine: Any, *, dataloader: Any = None) -> int:
     return int(index["step"])
 
 
-def _load_tensors(folder: Path, index: dict[str, Any], engine: Any) -> None:
+def _load_tensors(folder: Path, index: dict[str, Any], engine: TrainingState) -> None:
     """The model's and optimizer's tensors and the random states (inside the strategy's
     checkpoint session)."""
     strategy, ctx = engine.strategy, engine.ctx

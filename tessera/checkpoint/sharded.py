@@ -48,6 +48,7 @@ from tessera.checkpoint.format import (
     write_pieces,
 )
 from tessera.checkpoint.holding import Holding, Piece, forget_listings, holding, kinds
+from tessera.checkpoint.protocols import TrainingState
 from tessera.checkpoint.runstate import jsonable, layout_of, rng_json, rng_states
 from tessera.context import ParallelContext
 from tessera.context.views import View
@@ -55,14 +56,14 @@ from tessera.context.views import View
 __all__ = ["SaveHandle", "held_tensors", "partial_folder", "save", "wait_for_saves", "written_share"]
 
 
-def held_tensors(engine: Any) -> list[tuple[str, torch.Tensor, View]]:
+def held_tensors(engine: TrainingState) -> list[tuple[str, torch.Tensor, View]]:
     """Every tensor this rank holds for a checkpoint, under its index name (``model/<key>``,
     ``optim/<key>/<state>``, ``rng/rank<r>/<name>``) with its view in full coordinates."""
     with engine.strategy.checkpoint_session():
         return [(p.name, p.tensor, p.view) for p in holding(engine).pieces]
 
 
-def written_share(engine: Any) -> list[torch.Tensor]:
+def written_share(engine: TrainingState) -> list[torch.Tensor]:
     """The tensors this rank writes when ``engine`` is saved (replicas share the writing): what
     ``save(..., blocking=False)`` copies to host memory. Collective."""
     wait_for_saves()
@@ -89,7 +90,7 @@ def _fresh_partial(final: Path) -> Path:
 
 def save(
     path: str | Path,
-    engine: Any,
+    engine: TrainingState,
     *,
     dataloader: Any = None,
     extra: dict[str, Any] | None = None,
@@ -172,7 +173,7 @@ def _snapshot(
     return kept, copied, staging, tensors
 
 
-def _save_now(final: Path, engine: Any, dataloader: Any, extra: dict[str, Any] | None) -> SaveHandle:
+def _save_now(final: Path, engine: TrainingState, dataloader: Any, extra: dict[str, Any] | None) -> SaveHandle:
     ctx: ParallelContext = engine.ctx
     partial = _fresh_partial(final) if ctx.rank == 0 else partial_folder(final)
     held = holding(engine)
@@ -262,12 +263,12 @@ def _swap_into_place(partial: Path, final: Path) -> None:
         shutil.rmtree(old)
 
 
-def _counters(engine: Any, dataloader: Any, extra: dict[str, Any] | None, held: Holding) -> dict[str, Any]:
+def _counters(engine: TrainingState, dataloader: Any, extra: dict[str, Any] | None, held: Holding) -> dict[str, Any]:
     """What changes as training goes on, besides tensors, as JSON now (rank 0): the engine's
     counters and loss scaler, the optimizer's hyperparameters, the scheduler, the data position,
     ``extra``."""
     optimizer = engine.strategy.optimizer
-    scheduler = getattr(engine, "lr_scheduler", None)
+    scheduler = engine.lr_scheduler
     return {
         "step": engine.global_step,
         "engine": jsonable(engine.state_dict()),
@@ -285,7 +286,7 @@ def _frozen(value: Any) -> Any:
     return value if value is None or type(value) in (int, float, bool, str) else jsonable(value)
 
 
-def _run_state(engine: Any, counters: dict[str, Any]) -> dict[str, Any]:
+def _run_state(engine: TrainingState, counters: dict[str, Any]) -> dict[str, Any]:
     """The JSON part of the index (rank 0's view of the run): ``counters`` (:func:`_counters`)
     and what stays as it was when the run started (layout, options, config)."""
     return {
@@ -295,7 +296,7 @@ def _run_state(engine: Any, counters: dict[str, Any]) -> dict[str, Any]:
         "layout": layout_of(engine.ctx),
         "strategy": engine.strategy.name,
         "options": jsonable(engine.options),
-        "config": jsonable(getattr(engine, "run_config", None)),
+        "config": jsonable(engine.run_config),
         "engine": counters["engine"],
         "optimizer": {"param_groups": jsonable(counters["param_groups"])},
         "scheduler": counters["scheduler"],

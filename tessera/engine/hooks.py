@@ -12,34 +12,72 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TextIO
+from typing import Any, Literal, Protocol, TextIO
 
 import torch
 
 from tessera import comm
 from tessera.checkpoint import full_state_dict, save_weights
+from tessera.engine.engine import Engine
 from tessera.files import atomic_path
 from tessera.memory import model_state_bytes, peak_rss_bytes
 from tessera.nn.moe import moe_layers, take_routing_counts
 
-if TYPE_CHECKING:
-    from tessera.engine.trainer import Trainer
+
+class TrainingLoop(Protocol):
+    """What a hook reads of the loop that calls it (``tessera.Trainer`` is one). Named here
+    rather than imported: the trainer imports the hooks."""
+
+    @property
+    def engine(self) -> Engine:
+        """The engine the loop trains."""
+        ...
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken so far in the loop (the current step's number after it)."""
+        ...
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        """The current step's numbers: hooks read them and add their own."""
+        ...
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """Every finished step's metrics."""
+        ...
+
+    @property
+    def train_dataloader(self) -> Any:
+        """The loader being trained on (None before ``fit``)."""
+        ...
+
+    @property
+    def test_dataloader(self) -> Any:
+        """The held-out loader given to ``fit``, or None."""
+        ...
+
+    @property
+    def max_steps(self) -> int | None:
+        """The steps ``fit`` runs, when known."""
+        ...
 
 
 class Hook:
-    """Base class: override the events you need."""
+    """Base class: override the events you need; each gets the loop that calls it."""
 
     priority = 50
 
-    def before_fit(self, trainer: Trainer) -> None: ...
-    def before_epoch(self, trainer: Trainer) -> None: ...
-    def before_step(self, trainer: Trainer) -> None: ...
-    def after_step(self, trainer: Trainer) -> None: ...
-    def after_epoch(self, trainer: Trainer) -> None: ...
-    def after_fit(self, trainer: Trainer) -> None: ...
+    def before_fit(self, trainer: TrainingLoop) -> None: ...
+    def before_epoch(self, trainer: TrainingLoop) -> None: ...
+    def before_step(self, trainer: TrainingLoop) -> None: ...
+    def after_step(self, trainer: TrainingLoop) -> None: ...
+    def after_epoch(self, trainer: TrainingLoop) -> None: ...
+    def after_fit(self, trainer: TrainingLoop) -> None: ...
 
 
-def _is_rank0(trainer: Trainer) -> bool:
+def _is_rank0(trainer: TrainingLoop) -> bool:
     return trainer.engine.ctx.rank == 0
 
 
@@ -51,10 +89,10 @@ class LRSchedulerHook(Hook):
     def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler
 
-    def before_step(self, trainer: Trainer) -> None:
+    def before_step(self, trainer: TrainingLoop) -> None:
         trainer.metrics["lr"] = trainer.engine.optimizer.param_groups[0]["lr"]
 
-    def after_step(self, trainer: Trainer) -> None:
+    def after_step(self, trainer: TrainingLoop) -> None:
         if not trainer.engine.last_step_skipped:
             self.scheduler.step()
 
@@ -70,10 +108,10 @@ class ThroughputHook(Hook):
         self.tokens_per_sample = tokens_per_sample
         self._start = 0.0
 
-    def before_step(self, trainer: Trainer) -> None:
+    def before_step(self, trainer: TrainingLoop) -> None:
         self._start = time.perf_counter()
 
-    def after_step(self, trainer: Trainer) -> None:
+    def after_step(self, trainer: TrainingLoop) -> None:
         elapsed = time.perf_counter() - self._start
         loader = trainer.train_dataloader
         engine = trainer.engine
@@ -96,7 +134,7 @@ class MemoryHook(Hook):
     def __init__(self, every: int = 1) -> None:
         self.every = every
 
-    def after_step(self, trainer: Trainer) -> None:
+    def after_step(self, trainer: TrainingLoop) -> None:
         if trainer.step % self.every:
             return
         report = model_state_bytes(trainer.engine.module, trainer.engine.optimizer)
@@ -123,13 +161,13 @@ class RoutingHook(Hook):
         self.plot = Path(plot) if plot is not None else None
         self._layers: list[tuple[str, Any]] = []
 
-    def before_fit(self, trainer: Trainer) -> None:
+    def before_fit(self, trainer: TrainingLoop) -> None:
         self._layers = moe_layers(trainer.engine.module)
 
-    def before_step(self, trainer: Trainer) -> None:
+    def before_step(self, trainer: TrainingLoop) -> None:
         take_routing_counts(self._layers)  # what ran between steps (evaluation) does not count
 
-    def after_step(self, trainer: Trainer) -> None:
+    def after_step(self, trainer: TrainingLoop) -> None:
         engine = trainer.engine
         counts = take_routing_counts(self._layers)
         if not counts:
@@ -146,7 +184,7 @@ class RoutingHook(Hook):
         trainer.metrics["moe_dropped"] = int(both[-1])
         trainer.metrics["moe_imbalance"] = float((table.max(dim=1).values / mean).max())
 
-    def after_fit(self, trainer: Trainer) -> None:
+    def after_fit(self, trainer: TrainingLoop) -> None:
         if self.plot is not None and _is_rank0(trainer) and self._layers:
             plot_expert_load(trainer.history, self.plot)
 
@@ -211,7 +249,7 @@ class EvalHook(Hook):
         self.metric_fns = metrics or {}
         self.last: dict[str, float] = {}
 
-    def evaluate(self, trainer: Trainer) -> dict[str, float]:
+    def evaluate(self, trainer: TrainingLoop) -> dict[str, float]:
         engine = trainer.engine
         loader = self.loader if self.loader is not None else trainer.test_dataloader
         if loader is None:
@@ -249,11 +287,11 @@ class EvalHook(Hook):
             self.last["eval_loss"] = engine.mean_over_data(sums["eval_loss"]) / counted if counted else float("nan")
         return self.last
 
-    def after_step(self, trainer: Trainer) -> None:
+    def after_step(self, trainer: TrainingLoop) -> None:
         if self.every and trainer.step % self.every == 0:
             trainer.metrics.update(self.evaluate(trainer))
 
-    def after_fit(self, trainer: Trainer) -> None:
+    def after_fit(self, trainer: TrainingLoop) -> None:
         if not (self.every and trainer.step % self.every == 0):
             trainer.metrics.update(self.evaluate(trainer))
             if trainer.history:
@@ -270,16 +308,16 @@ class CheckpointHook(Hook):
         self.folder = Path(folder)
         self.every = every
 
-    def _save(self, trainer: Trainer, path: Path) -> None:
+    def _save(self, trainer: TrainingLoop, path: Path) -> None:
         state = full_state_dict(trainer.engine)  # collective; the fp32 masters where ZeRO keeps them
         if _is_rank0(trainer):
             save_weights(state, path)
 
-    def after_step(self, trainer: Trainer) -> None:
+    def after_step(self, trainer: TrainingLoop) -> None:
         if self.every and trainer.step % self.every == 0:
             self._save(trainer, self.folder / f"step_{trainer.step}" / "model.safetensors")
 
-    def after_fit(self, trainer: Trainer) -> None:
+    def after_fit(self, trainer: TrainingLoop) -> None:
         self._save(trainer, self.folder / "model.safetensors")
 
 
@@ -313,10 +351,11 @@ class LogHook(Hook):
         self.jsonl = Path(jsonl) if jsonl is not None else None
         self.printer = printer or print_beside_bars
 
-    def before_fit(self, trainer: Trainer) -> None:
+    def before_fit(self, trainer: TrainingLoop) -> None:
         if self.jsonl is not None and _is_rank0(trainer):
             self.jsonl.parent.mkdir(parents=True, exist_ok=True)
-            if getattr(trainer, "resumed_from", None) is None:  # a resumed run appends to its file
+            # a resumed run appends to its file (``Trainer.resumed_from``; a loop that never resumes has none)
+            if getattr(trainer, "resumed_from", None) is None:
                 self.jsonl.write_text("")
 
     def _write(self, metrics: dict[str, Any]) -> None:
@@ -324,7 +363,7 @@ class LogHook(Hook):
             with self.jsonl.open("a") as f:
                 f.write(json.dumps(metrics) + "\n")
 
-    def after_step(self, trainer: Trainer) -> None:
+    def after_step(self, trainer: TrainingLoop) -> None:
         if not _is_rank0(trainer):
             return
         self._write(trainer.metrics)
@@ -341,7 +380,7 @@ class LogHook(Hook):
             )
             self.printer(" ".join(f"{k}={_fmt(trainer.metrics[k])}" for k in shown if k in trainer.metrics))
 
-    def after_fit(self, trainer: Trainer) -> None:
+    def after_fit(self, trainer: TrainingLoop) -> None:
         final = {k: v for k, v in trainer.metrics.items() if k.startswith("eval_") or k in ("step",)}
         if _is_rank0(trainer) and any(k.startswith("eval_") for k in final):
             self._write({"final": True, **final})
@@ -373,7 +412,7 @@ class ProgressBarHook(Hook):
         self.stream = stream
         self.bar: Any = None
 
-    def before_fit(self, trainer: Trainer) -> None:
+    def before_fit(self, trainer: TrainingLoop) -> None:
         stream = self.stream if self.stream is not None else sys.stderr
         if _is_rank0(trainer) and bar_wanted(self.enabled, stream):
             from tqdm.auto import tqdm
@@ -382,12 +421,12 @@ class ProgressBarHook(Hook):
                 total=trainer.max_steps, desc="train", unit="step", file=stream, dynamic_ncols=True, mininterval=0.5
             )
 
-    def after_step(self, trainer: Trainer) -> None:
+    def after_step(self, trainer: TrainingLoop) -> None:
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{trainer.metrics['loss']:.4f}", refresh=False)
             self.bar.update(1)
 
-    def after_fit(self, trainer: Trainer) -> None:
+    def after_fit(self, trainer: TrainingLoop) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
