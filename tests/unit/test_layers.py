@@ -60,21 +60,15 @@ def module_name(path: Path, root: Path) -> str:
     return ".".join(names)
 
 
-def _type_checking_block(node: ast.AST) -> bool:
-    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-
-
 def imports_of(path: Path, root: Path, modules: set[str]) -> list[tuple[int, str]]:
-    """``(line, module)`` for every import of a module of the package in ``path`` (also inside
-    functions; not under ``if TYPE_CHECKING``). ``from a import b`` is module ``a.b`` when that
-    is a module, else ``a``."""
+    """``(line, module)`` for every import of a module of the package in ``path``: at the top,
+    inside functions, and under ``if TYPE_CHECKING`` (an import for the type checker alone still
+    ties the two modules: it counts for the ranks and for cycles alike). ``from a import b`` is
+    module ``a.b`` when that is a module, else ``a``."""
     tree = ast.parse(path.read_text())
-    skipped = {id(n) for block in ast.walk(tree) if _type_checking_block(block) for n in ast.walk(block)}
     package = root.name
     found: list[tuple[int, str]] = []
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.Import):
             found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == package]
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == package:
@@ -173,6 +167,7 @@ def test_the_layer_check_catches_a_planted_upward_import(tmp_path):
             "comm/__init__.py": "from tessera.comm.ops import x\n",
             "comm/ops.py": "def f():\n    from tessera.engine import Engine\n",  # lazy, still counted
             "engine/__init__.py": "from tessera.comm import x\n",
+            # for the type checker alone, still counted
             "zero/__init__.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tessera.engine import E\n",
             "nn/__init__.py": "import tessera.zero\n",  # same rank: not allowed either
         },
@@ -180,6 +175,7 @@ def test_the_layer_check_catches_a_planted_upward_import(tmp_path):
     assert layer_violations(package) == [
         "tessera.comm.ops:2: imports tessera.engine (engine is not below comm)",
         "tessera.nn:1: imports tessera.zero (zero is not below nn)",
+        "tessera.zero:3: imports tessera.engine (engine is not below zero)",
     ]
 
 
@@ -195,3 +191,21 @@ def test_the_cycle_check_catches_a_planted_cycle(tmp_path):
         },
     )
     assert import_cycles(package) == [["tessera.engine.a", "tessera.engine.b"]]
+
+
+def test_the_cycle_check_catches_a_planted_cycle_through_type_checking_imports(tmp_path):
+    package = _plant(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "engine/__init__.py": "",
+            "engine/loop.py": "from tessera.engine.hooks import Hook\n",
+            "engine/hooks.py": (
+                "from typing import TYPE_CHECKING\n"
+                "if TYPE_CHECKING:\n"
+                "    from tessera.engine.loop import Loop\n"  # names the loop in annotations only
+            ),
+            "engine/other.py": "import typing\nif typing.TYPE_CHECKING:\n    import tessera.engine.hooks\n",
+        },
+    )
+    assert import_cycles(package) == [["tessera.engine.hooks", "tessera.engine.loop"]]
