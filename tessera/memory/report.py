@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -26,16 +26,28 @@ def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return total
 
 
-def model_state_bytes(model: nn.Module, optimizer: Any = None) -> dict[str, int]:
+@runtime_checkable
+class ReportsMemory(Protocol):
+    """An optimizer that knows which model-state tensors this rank holds (ZeRO's and Gemini's
+    sharded optimizer, whose pieces are not the model's parameters)."""
+
+    def memory_parts(self) -> dict[str, list[torch.Tensor]]:
+        """``{"parameters", "gradients", "optimizer_states"}``: the tensors this rank holds of
+        each kind (on any tier)."""
+        ...
+
+
+def model_state_bytes(
+    model: nn.Module, optimizer: torch.optim.Optimizer | ReportsMemory | None = None
+) -> dict[str, int]:
     """``{"parameters", "gradients", "optimizer_states", "total"}`` in bytes on this rank.
 
     Optimizer states are every tensor the optimizer keeps per parameter (Adam's moments and
     step counters, say), and fp32 master weights where they are kept apart (ZeRO with bf16/fp16).
-    A sharded optimizer reports what this rank holds through its ``memory_parts()``.
+    An optimizer that :class:`ReportsMemory` (a sharded one) says itself what this rank holds.
     """
-    parts = getattr(optimizer, "memory_parts", None)
-    if parts is not None:  # a sharded optimizer (ZeRO) knows which of the model's tensors it holds
-        held = parts()
+    if isinstance(optimizer, ReportsMemory):
+        held = optimizer.memory_parts()
         out = {
             "parameters": _tensor_bytes(held["parameters"]),
             "gradients": _tensor_bytes(held["gradients"]),
