@@ -25,6 +25,7 @@ from tessera.rlhf import steps
 from tessera.rlhf.batches import SequenceBatch, split_pairs
 from tessera.rlhf.losses import DPO_LOSS_TYPES, dpo_loss
 from tessera.rlhf.models import token_logprobs_fn
+from tessera.rlhf.protocols import TrainedModel
 from tessera.rlhf.tokens import LogprobsFn, masked_mean, masked_sum, token_logprobs
 
 __all__ = ["DPOOptions", "DPOTrainer", "logits_of", "response_logprobs"]
@@ -76,7 +77,7 @@ class DPOTrainer:
 
     def __init__(
         self,
-        policy: Any,
+        policy: TrainedModel,
         reference: Callable[[torch.Tensor], Any] | None,
         options: DPOOptions | None = None,
         *,
@@ -125,7 +126,9 @@ class DPOTrainer:
         }
         return losses.mean(), stats
 
-    def _engine_losses(self, engine: Any, batch: SequenceBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _engine_losses(
+        self, engine: TrainedModel, batch: SequenceBatch
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return self.losses(logits_of(engine(batch["input_ids"])), batch)
 
     def train_step(self, micro_batches: Iterable[SequenceBatch]) -> dict[str, float]:

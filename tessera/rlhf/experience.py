@@ -43,6 +43,7 @@ from tessera.rlhf import steps
 from tessera.rlhf.batches import SequenceBatch
 from tessera.rlhf.dpo import logits_of
 from tessera.rlhf.models import sequence_values, token_logprobs_fn
+from tessera.rlhf.protocols import HeldModel, TrainedModel
 from tessera.rlhf.rollout import RolloutGenerator
 from tessera.rlhf.tokens import LogprobsFn
 
@@ -92,14 +93,14 @@ class Frozen:
     through its forward; its optimizer never steps), whose context it takes. Its data ranks
     split the rows between them."""
 
-    def __init__(self, model: Any, ctx: ParallelContext | None = None) -> None:
+    def __init__(self, model: nn.Module | TrainedModel, ctx: ParallelContext | None = None) -> None:
         self.model = model
         if isinstance(model, nn.Module):
             model.eval().requires_grad_(False)
             if ctx is None:
                 device = next((p.device for p in model.parameters()), torch.device("cpu"))
                 ctx = ParallelContext.alone(device)
-        elif hasattr(model, "module") and hasattr(model, "ctx"):  # an engine
+        elif isinstance(model, TrainedModel):  # an engine
             model.eval()
             ctx = ctx if ctx is not None else model.ctx
         else:
@@ -163,7 +164,7 @@ def minibatches(rows: int, count: int) -> Iterator[slice]:
         yield slice(m * each, (m + 1) * each)
 
 
-def engine_micro_batches(experience: Experience, rows: slice, engine: Any, role: str) -> list[Experience]:
+def engine_micro_batches(experience: Experience, rows: slice, engine: TrainedModel, role: str) -> list[Experience]:
     """This rank's data share of ``rows`` of ``experience``, cut into the engine's micro-batches
     (contiguous), each trimmed to its longest sequence and response."""
     count = rows.stop - rows.start
@@ -204,7 +205,7 @@ def update(
     experience: Experience,
     epochs: int,
     count: int,
-    trained: Mapping[str, tuple[Any, Callable[[Any, Experience], Any], Sequence[str]]],
+    trained: Mapping[str, tuple[TrainedModel | None, steps.LossesFn[Experience], Sequence[str]]],
 ) -> dict[str, dict[str, float]]:
     """``epochs`` passes over ``experience`` in ``count`` contiguous minibatches, each one optimizer
     step of every model in ``trained`` (role -> ``(engine or None on ranks without it, losses,
@@ -230,7 +231,7 @@ def update(
     return shared
 
 
-def actor_generator(actor: Any, params: Any, options: Mapping[str, Any] | None) -> RolloutGenerator | None:
+def actor_generator(actor: HeldModel | None, params: Any, options: Mapping[str, Any] | None) -> RolloutGenerator | None:
     """The rollout generator of ``actor`` (an engine; None on ranks without it) sampling with
     ``params``, ``options`` its KV-cache sizes. Stream 0: requests are seeded by their row's
     number in the whole batch (:func:`rollout`), so any split over data ranks samples alike."""
@@ -259,7 +260,11 @@ def rollout(
     return responses
 
 
-def _as_model(model: Any) -> Any:
+RoleModel = HeldModel | RewardFn | None
+"""What a rank holds of a role: an engine or a :class:`Frozen` model, a reward rule, or nothing."""
+
+
+def _as_model(model: nn.Module | RoleModel) -> RoleModel:
     """A plain module becomes a :class:`Frozen` one of this rank alone; engines, frozen models,
     rules and None stay as they are."""
     if isinstance(model, nn.Module):
@@ -279,28 +284,31 @@ class Job:
     ``models`` maps a role in :data:`ROLES` to an engine, a :class:`Frozen` model, a reward rule
     (held by every rank) or None."""
 
-    def __init__(self, models: Mapping[str, Any]) -> None:
+    def __init__(self, models: Mapping[str, nn.Module | RoleModel]) -> None:
         unknown = set(models) - set(ROLES)
         if unknown:
             raise ValueError(f"Job: unknown roles {sorted(unknown)}; roles are {list(ROLES)}")
         self.group = _job_group()
-        self.models = {role: _as_model(models.get(role)) for role in ROLES}
+        self.models: dict[str, RoleModel] = {role: _as_model(models.get(role)) for role in ROLES}
         held = torch.tensor([[self.models[r] is not None for r in ROLES]], dtype=torch.int64)
         table = comm.all_gather(held, self.group)  # [ranks, roles]: who holds what
         self.holders: dict[str, tuple[int, ...]] = {
             role: tuple(int(i) for i in torch.nonzero(table[:, j]).flatten()) for j, role in enumerate(ROLES)
         }
-        self.device = torch.device("cpu")
-        for model in self.models.values():
-            if model is not None and hasattr(model, "ctx"):
-                self.device = model.ctx.device
-                break
+        here = [m for m in map(self.held_model, ROLES) if m is not None]
+        self.device = here[0].ctx.device if here else torch.device("cpu")
         # how each language model held here takes token log-probs (vocabulary-parallel or not)
         self.token_logprobs: dict[str, LogprobsFn] = {
-            role: token_logprobs_fn(self.models[role].module)
+            role: token_logprobs_fn(model.module)
             for role in ("actor", "reference")
-            if self.models[role] is not None
+            if (model := self.held_model(role)) is not None
         }
+
+    def held_model(self, role: str) -> HeldModel | None:
+        """The model this rank holds for ``role`` (an engine or a :class:`Frozen` model); None
+        when it holds none or the role is a rule."""
+        model = self.models[role]
+        return model if isinstance(model, HeldModel) else None
 
     def held(self, role: str) -> bool:
         """Whether any rank of the job holds ``role``."""
@@ -311,9 +319,9 @@ class Job:
             raise ValueError(f"{what}: no rank of the job holds the {role}; pass it on the ranks that hold it")
 
     def ctx_of(self, role: str) -> ParallelContext:
-        model = self.models[role]
+        model = self.held_model(role)
         if model is None:
-            raise RuntimeError(f"this rank does not hold the {role}")
+            raise RuntimeError(f"this rank does not hold the {role} as a model")
         return model.ctx
 
     # ---- exchange ---------------------------------------------------------------------------
@@ -378,7 +386,7 @@ class Job:
     def logprobs(self, role: str, batch: SequenceBatch) -> torch.Tensor:
         """Label log-probs ``[B, T-1]`` of ``batch`` under the actor or the reference, in eval mode
         without gradients."""
-        model = self.models[role]
+        model = self.held_model(role)
         rows, width = batch["labels"].shape
 
         def fn(share: slice) -> torch.Tensor:
@@ -393,7 +401,7 @@ class Job:
     def values(self, batch: SequenceBatch) -> torch.Tensor:
         """The critic's values ``[B, T-1]``: column ``j`` is the value of the state before label
         ``j`` (read at input position ``j``)."""
-        model = self.models["critic"]
+        model = self.held_model("critic")
         rows, width = batch["labels"].shape
 
         def fn(share: slice) -> torch.Tensor:
@@ -409,9 +417,10 @@ class Job:
     ) -> torch.Tensor:
         """The reward of each row ``[B]``: the rule's, or the reward model's value at the row's
         last real token."""
-        reward = self.models["reward"]
-        if reward is not None and not hasattr(reward, "ctx"):  # a rule: every rank scores every row
-            return torch.tensor([reward(p, r) for p, r in zip(prompts, responses)], dtype=torch.float32)
+        rule = self.models["reward"]
+        if rule is not None and not isinstance(rule, HeldModel):  # every rank scores every row
+            return torch.tensor([rule(p, r) for p, r in zip(prompts, responses)], dtype=torch.float32)
+        reward = self.held_model("reward")
         rows = batch["input_ids"].shape[0]
 
         def fn(share: slice) -> torch.Tensor:
@@ -425,15 +434,15 @@ class Job:
 
 
 class _evaluating:
-    """Eval mode for an engine or a frozen model, train mode back after (an engine's)."""
+    """Eval mode for an engine, train mode back after (a frozen model stays in eval mode)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: HeldModel) -> None:
         self.model = model
 
     def __enter__(self) -> None:
-        if not isinstance(self.model, Frozen):
+        if isinstance(self.model, TrainedModel):
             self.model.eval()
 
     def __exit__(self, *exc: object) -> None:
-        if not isinstance(self.model, Frozen):
+        if isinstance(self.model, TrainedModel):
             self.model.train()

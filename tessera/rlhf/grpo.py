@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from tessera.inference.params import SamplingParams
 from tessera.rlhf.advantages import grpo_advantages
@@ -35,6 +36,7 @@ from tessera.rlhf.experience import (
     update,
 )
 from tessera.rlhf.losses import GRPO_LOSS_TYPES, grpo_loss
+from tessera.rlhf.protocols import HeldModel, TrainedModel
 
 __all__ = ["GRPOOptions", "GRPOTrainer"]
 
@@ -80,9 +82,9 @@ class GRPOTrainer:
 
     def __init__(
         self,
-        actor: Any,
-        reference: Any,
-        reward: Any | RewardFn,
+        actor: TrainedModel | None,
+        reference: HeldModel | nn.Module | None,
+        reward: HeldModel | nn.Module | RewardFn | None,
         params: SamplingParams,
         options: GRPOOptions | None = None,
         *,
@@ -130,7 +132,7 @@ class GRPOTrainer:
             experience["ref_logprobs"] = to_responses(self.job.logprobs("reference", batch), index)
         return experience
 
-    def _losses(self, engine: Any, part: Experience) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _losses(self, engine: TrainedModel, part: Experience) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         assert self.actor_logprobs is not None
         o = self.options
         per_label = self.actor_logprobs(logits_of(engine(part["input_ids"]))[:, :-1], part["labels"])

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from tessera.inference.params import SamplingParams
 from tessera.rlhf.advantages import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, gae, per_token_rewards
@@ -46,6 +47,7 @@ from tessera.rlhf.experience import (
     update,
 )
 from tessera.rlhf.losses import ppo_policy_loss, ppo_value_loss
+from tessera.rlhf.protocols import HeldModel, TrainedModel
 from tessera.rlhf.tokens import masked_mean, masked_sum, masked_whiten
 
 __all__ = ["PPOOptions", "PPOTrainer"]
@@ -96,10 +98,10 @@ class PPOTrainer:
 
     def __init__(
         self,
-        actor: Any,
-        critic: Any,
-        reference: Any,
-        reward: Any | RewardFn,
+        actor: TrainedModel | None,
+        critic: TrainedModel | None,
+        reference: HeldModel | nn.Module | None,
+        reward: HeldModel | nn.Module | RewardFn | None,
         params: SamplingParams,
         options: PPOOptions | None = None,
         *,
@@ -167,13 +169,13 @@ class PPOTrainer:
         return experience
 
     # ---- update -------------------------------------------------------------------------------
-    def _policy_losses(self, engine: Any, part: Experience) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _policy_losses(self, engine: TrainedModel, part: Experience) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         assert self.actor_logprobs is not None
         per_label = self.actor_logprobs(logits_of(engine(part["input_ids"]))[:, :-1], part["labels"])
         logprobs = to_responses(per_label, part["index"])
         return ppo_policy_loss(logprobs, part["logprobs"], part["advantages"], part["mask"], self.options.clip_eps)
 
-    def _value_losses(self, engine: Any, part: Experience) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _value_losses(self, engine: TrainedModel, part: Experience) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         values = to_responses(engine(part["input_ids"])[:, :-1], part["index"])
         return ppo_value_loss(values, part["values"], part["returns"], part["mask"], self.options.clip_value)
 

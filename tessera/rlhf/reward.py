@@ -32,6 +32,7 @@ from tessera.rlhf import steps
 from tessera.rlhf.batches import SequenceBatch, split_pairs
 from tessera.rlhf.losses import pairwise_reward_loss
 from tessera.rlhf.models import ValueModel, sequence_values
+from tessera.rlhf.protocols import TrainedModel
 from tessera.rlhf.rollout import generation_mode
 
 __all__ = ["RewardOptions", "RewardTrainer", "reward_scores"]
@@ -76,7 +77,7 @@ class RewardTrainer:
     """Reward-model steps of ``engine``, whose model is a :class:`~tessera.rlhf.models.ValueModel`
     (``input_ids [B, T]``, ``attention_mask`` -> values ``[B, T]``)."""
 
-    def __init__(self, engine: Any, options: RewardOptions | None = None) -> None:
+    def __init__(self, engine: TrainedModel, options: RewardOptions | None = None) -> None:
         if not isinstance(engine.module, ValueModel):
             raise TypeError(
                 f"RewardTrainer trains a value model (tessera.rlhf.value_model(...)), got "
@@ -104,7 +105,9 @@ class RewardTrainer:
         }
         return loss, stats
 
-    def _engine_losses(self, engine: Any, batch: SequenceBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _engine_losses(
+        self, engine: TrainedModel, batch: SequenceBatch
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return self.losses(_values(engine, batch), batch)
 
     def train_step(self, micro_batches: Iterable[SequenceBatch]) -> dict[str, float]:

@@ -54,6 +54,7 @@ from tessera.inference.sampling import request_generator, sample
 from tessera.inference.scheduler import StepPlan
 from tessera.models.gpt import GPT
 from tessera.rlhf.batches import SequenceBatch, build_rollout_batch
+from tessera.rlhf.protocols import ReleasingStorage
 
 __all__ = [
     "Rollout",
@@ -157,10 +158,11 @@ def _not_whole(param: torch.Tensor) -> str | None:
 
 def _released(storage: object | None) -> bool:
     """Whether a parameter's storage may be released between uses (ZeRO-3's chunks; Gemini's,
-    which also move between tiers): ZeRO-1 and 2 keep every parameter whole on every rank."""
+    which also move between tiers): ZeRO-1 and 2 keep every parameter whole on every rank. A
+    storage that does not say (:class:`ReleasingStorage`) is taken to release it."""
     if storage is None:
         return False
-    return bool(getattr(getattr(storage, "policy", None), "release_parameters", True))
+    return not isinstance(storage, ReleasingStorage) or storage.releases_parameters
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -20,7 +20,6 @@ GPT takes no attention mask).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 
@@ -28,6 +27,7 @@ from tessera.rlhf import steps
 from tessera.rlhf.batches import SFTBatch
 from tessera.rlhf.dpo import logits_of
 from tessera.rlhf.models import token_logprobs_fn
+from tessera.rlhf.protocols import TrainedModel
 from tessera.rlhf.tokens import LogprobsFn, bool_mask, check_per_token, masked_mean
 
 __all__ = ["SFTTrainer"]
@@ -38,7 +38,7 @@ class SFTTrainer:
     output with ``.logits``). ``logprobs``: how token log-probs are taken from its logits
     (default: :func:`~tessera.rlhf.models.token_logprobs_fn` of ``engine.module``)."""
 
-    def __init__(self, engine: Any, *, logprobs: LogprobsFn | None = None) -> None:
+    def __init__(self, engine: TrainedModel, *, logprobs: LogprobsFn | None = None) -> None:
         self.engine = engine
         # vocabulary-parallel logits (tessera's GPT under 1D tensor parallelism) need their group's
         self.logprobs = logprobs or token_logprobs_fn(engine.module)
@@ -56,7 +56,7 @@ class SFTTrainer:
         loss = -masked_mean(self.logprobs(logits, safe_labels), mask)
         return loss, {"tokens": mask.sum().float()}
 
-    def _engine_losses(self, engine: Any, batch: SFTBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _engine_losses(self, engine: TrainedModel, batch: SFTBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return self.losses(logits_of(engine(batch["input_ids"])), batch)
 
     def train_step(self, micro_batches: Iterable[SFTBatch]) -> dict[str, float]:

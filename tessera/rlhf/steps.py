@@ -13,10 +13,12 @@ from typing import Any, TypeVar
 
 import torch
 
+from tessera.rlhf.protocols import TrainedModel
+
 __all__ = ["LossesFn", "evaluate", "to_device", "train_step"]
 
 B = TypeVar("B", bound=Mapping[str, Any])
-LossesFn = Callable[[Any, B], tuple[torch.Tensor, Mapping[str, torch.Tensor]]]
+LossesFn = Callable[[TrainedModel, B], tuple[torch.Tensor, Mapping[str, torch.Tensor]]]
 
 
 def to_device(batch: B, device: torch.device) -> B:
@@ -30,7 +32,7 @@ def _add(totals: dict[str, float], loss: torch.Tensor, stats: Mapping[str, torch
         totals[key] = totals.get(key, 0.0) + float(value)
 
 
-def train_step(engine: Any, micro_batches: Iterable[B], losses: LossesFn[B]) -> dict[str, float]:
+def train_step(engine: TrainedModel, micro_batches: Iterable[B], losses: LossesFn[B]) -> dict[str, float]:
     """One optimizer step of ``engine`` over its accumulation of ``micro_batches`` (this rank's):
     each one's loss backward, then the step. Returns the loss and statistics, each averaged over
     the micro-batches and the data ranks. The number of micro-batches must be the engine's."""
@@ -52,7 +54,7 @@ def train_step(engine: Any, micro_batches: Iterable[B], losses: LossesFn[B]) -> 
 
 
 @torch.no_grad()
-def evaluate(engine: Any, batches: Iterable[B], losses: LossesFn[B]) -> dict[str, float]:
+def evaluate(engine: TrainedModel, batches: Iterable[B], losses: LossesFn[B]) -> dict[str, float]:
     """The loss and statistics over ``batches`` (held-out data), averaged over them and the data
     ranks, in eval mode (train mode is put back after)."""
     engine.eval()
