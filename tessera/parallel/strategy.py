@@ -4,7 +4,9 @@
 stage's policy, a pipeline with or without ZeRO-1; Gemini will be another). The engine,
 clipping and checkpoints call only these methods and never ask which strategy they hold, so a
 new strategy is a new subclass, not new branches. ``docs/architecture.md`` walks through writing
-one.
+one. A strategy around another (pipeline stages around the gradients' strategy) is a
+:class:`WrappingStrategy`: what it does not define itself is forwarded, every method of the
+interface included.
 
 A training step, as the engine drives it::
 
@@ -93,12 +95,7 @@ class Strategy:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    # ---- memory and state --------------------------------------------------------------------
-    def memory_parts(self) -> dict[str, list[torch.Tensor]] | None:
-        """The model-state tensors this rank holds by kind (``parameters``, ``gradients``,
-        ``optimizer_states``), or None when they are simply the module's and the optimizer's."""
-        return None
-
+    # ---- weights -------------------------------------------------------------------------------
     def full_precision_weights(self) -> list[tuple[nn.Parameter, torch.Tensor]] | None:
         """The weights the optimizer steps where they are kept apart from the module's parameters
         (fp32 masters of bf16/fp16 parameters): ``(parameter, value)`` pairs, each value of the
@@ -106,13 +103,6 @@ class Strategy:
         None when the parameters are those weights. Collective over the data axis: every rank
         calls it. ``tessera.checkpoint.full_state_dict(engine)`` saves these values."""
         return None
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state, as a checkpoint must save it (a shard for sharded ones)."""
-        return {"optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def checkpoint_tensors(self) -> list[HeldTensor]:
@@ -137,13 +127,16 @@ class Strategy:
         return [nullcontext(self.checkpoint_tensors())]
 
     def report(self) -> dict[str, Any]:
-        """What the strategy can tell of its memory beyond :meth:`memory_parts` (Gemini: chunks,
-        utilisation, bytes per tier); empty by default."""
+        """What the strategy can tell of its memory (ZeRO and Gemini: chunks, utilisation, bytes
+        per tier at their peak); empty by default. ``tessera train`` writes it to the run
+        folder. Not collective."""
         return {}
 
     def close(self) -> None:
         """Release what the strategy holds outside the process (Gemini: its offload files);
-        nothing by default. The strategy is not used after."""
+        nothing by default. ``Engine.close()`` calls it once, at the end of the run or on its
+        error; the strategy does not train after. Not collective: a rank that failed alone
+        closes too."""
 
     def holds(self, param: torch.Tensor) -> bool:
         """Whether this rank trains (and so saves and loads) ``param``. Default: every one."""
@@ -152,6 +145,36 @@ class Strategy:
     def checkpoint_loaded(self) -> None:
         """After a checkpoint wrote new values into :meth:`checkpoint_tensors`: make every copy
         that derives from them follow (sharded copies, other stages' weights). Collective."""
+
+
+class WrappingStrategy(Strategy):
+    """A strategy around another, ``inner`` (over the same module): every method of the
+    interface that a subclass does not define itself is the inner strategy's. The forwarding is
+    made from the interface, not written out, so a method added to :class:`Strategy` reaches the
+    inner strategy with no change here."""
+
+    inner: Strategy
+
+
+def interface_methods() -> list[str]:
+    """The names of the methods of the :class:`Strategy` interface."""
+    return [name for name, value in vars(Strategy).items() if callable(value) and not name.startswith("_")]
+
+
+def _forwarded(name: str) -> Callable[..., Any]:
+    """``name`` of the interface, called on the wrapping strategy's ``inner``."""
+
+    def method(self: WrappingStrategy, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.inner, name)(*args, **kwargs)
+
+    method.__name__, method.__qualname__ = name, f"WrappingStrategy.{name}"
+    method.__doc__ = getattr(Strategy, name).__doc__
+    return method
+
+
+for _name in interface_methods():
+    setattr(WrappingStrategy, _name, _forwarded(_name))
+del _name
 
 
 def module_tensors(module: nn.Module, holds: Callable[[torch.Tensor], bool]) -> list[HeldTensor]:

@@ -4,12 +4,11 @@ all-reduce for replicated optimizers, or ZeRO-1's reduce-scatter)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
-from torch import nn
 
 from tessera import comm
 from tessera.context.placement import placement_of, storages_of
@@ -17,16 +16,17 @@ from tessera.context.views import HeldTensor
 from tessera.errors import TesseraError
 from tessera.memory.deferred import allocate, set_data
 from tessera.parallel.pipeline.stage import PipelineStage
-from tessera.parallel.strategy import Strategy
+from tessera.parallel.strategy import Strategy, WrappingStrategy
 
 
-class PipelineParallel(Strategy):
-    """This rank's pipeline ``stage``; ``gradients`` (a strategy over the same module) reduces,
-    clips and steps what the schedule's backward passes leave."""
+class PipelineParallel(WrappingStrategy):
+    """This rank's pipeline ``stage``; ``gradients`` (a strategy over the same module, the
+    inner one) reduces, clips and steps what the schedule's backward passes leave. Every method
+    of the interface not defined here is the inner strategy's."""
 
     def __init__(self, stage: PipelineStage, gradients: Strategy) -> None:
         self.stage = stage
-        self.gradients = gradients
+        self.inner = gradients
         self.module = self.model = gradients.module
         self.optimizer = gradients.optimizer
         self.ctx = gradients.ctx
@@ -66,49 +66,35 @@ class PipelineParallel(Strategy):
                 storage.params_loaded()  # sharded copies (ZeRO-1) follow the received values
         self._weights_stale = False
 
-    # ---- the rest is the inner strategy's ----------------------------------------------------
-    def reduce_gradients(self) -> None:
-        self.gradients.reduce_gradients()
-
-    def gradient_tensors(self) -> list[torch.Tensor]:
-        return self.gradients.gradient_tensors()
-
-    def grad_norm(self) -> torch.Tensor:
-        return self.gradients.grad_norm()
-
     def step(self) -> None:
-        self.gradients.step()
+        self.inner.step()
         self._weights_stale = True
 
-    def zero_grad(self) -> None:
-        self.gradients.zero_grad()
-
-    def memory_parts(self) -> dict[str, list[torch.Tensor]] | None:
-        return self.gradients.memory_parts()
-
-    def full_precision_weights(self) -> list[tuple[nn.Parameter, torch.Tensor]] | None:
-        return self.gradients.full_precision_weights()  # current on the stage that trains each
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.gradients.state_dict()
+    # ---- what this stage holds -----------------------------------------------------------------
+    def holds(self, param: torch.Tensor) -> bool:
+        return any(param is p for p in self.stage.parameters)
 
     def checkpoint_tensors(self) -> list[HeldTensor]:
         """The inner strategy's records of the parameters this stage trains (tied ones on every
         stage that holds them), and the buffers."""
+        return self._this_stages(self.inner.checkpoint_tensors())
+
+    def checkpoint_groups(self) -> list[AbstractContextManager[list[HeldTensor]]]:
+        """The inner strategy's groups, each with the records of :meth:`checkpoint_tensors`."""
+        return [self._group(group) for group in self.inner.checkpoint_groups()]
+
+    @contextmanager
+    def _group(self, group: AbstractContextManager[list[HeldTensor]]) -> Iterator[list[HeldTensor]]:
+        with group as held:
+            yield self._this_stages(held)
+
+    def _this_stages(self, held: list[HeldTensor]) -> list[HeldTensor]:
+        """Of ``held``, the parameters this stage trains and every buffer."""
         trained = {id(p) for p in self.stage.parameters}
         keys = {key for key, p in self.module.named_parameters() if id(p) in trained}
         params = {key for key, _ in self.module.named_parameters()}
-        return [h for h in self.gradients.checkpoint_tensors() if h.key in keys or h.key not in params]
-
-    def holds(self, param: torch.Tensor) -> bool:
-        return any(param is p for p in self.stage.parameters)
-
-    def checkpoint_loaded(self) -> None:
-        self.gradients.checkpoint_loaded()
+        return [h for h in held if h.key in keys or h.key not in params]
 
     def checkpoint_session(self) -> AbstractContextManager[None]:
         self._weights_stale = True  # other stages' weights: fetched again before evaluation
-        return self.gradients.checkpoint_session()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.gradients.load_state_dict(state)
+        return self.inner.checkpoint_session()
