@@ -27,6 +27,7 @@ import torch.distributed as dist
 from tessera import comm
 from tessera.config import Config, ConfigSource, load_config, parallel_dims, require_available, resolve_auto
 from tessera.context import ParallelContext, seed_all
+from tessera.engine.lifecycle import close_open_engines
 from tessera.errors import ConfigError, TesseraError
 from tessera.session import set_session
 
@@ -258,16 +259,24 @@ def launch_from_openmpi(
 
 
 def shutdown() -> None:
-    """Leave the process group and forget the current context.
+    """Close this process's engines, leave the process group and forget the current context.
 
-    Collective: every rank waits for the others first, because a gloo process that tears its
-    connections down while a peer still uses them aborts the peer. Then tessera's objects let
-    go of their process groups before torch destroys them, so that each group's worker threads
-    are joined here, while Python still runs (see ``tessera.comm.group``).
+    Every engine made in this process and not yet closed is closed first (``Engine.close``:
+    Gemini's offload files are removed), on this rank alone, so that a rank whose peers failed
+    releases its files before it waits for them. Then collective: every rank waits for the
+    others, because a gloo process that tears its connections down while a peer still uses
+    them aborts the peer. Then tessera's objects let go of their process groups before torch
+    destroys them, so that each group's worker threads are joined here, while Python still
+    runs (see ``tessera.comm.group``).
     """
     saving = sys.modules.get("tessera.checkpoint.background")
     if saving is not None:
         saving.wait_for_saves()  # a save still being written finishes (its writer uses process groups)
+    closing_failed: Exception | None = None
+    try:
+        close_open_engines()
+    except Exception as error:  # raised once the group is left: the other ranks wait for this one
+        closing_failed = error
     if dist.is_initialized():
         comm.barrier(comm.AxisGroup("world", tuple(range(dist.get_world_size())), dist.get_rank(), dist.group.WORLD))
         set_session(None, None)
@@ -285,6 +294,8 @@ def shutdown() -> None:
                 stacklevel=2,
             )
     set_session(None, None)
+    if closing_failed is not None:
+        raise closing_failed
 
 
 __all__ = ["Config", "launch", "launch_from_openmpi", "launch_from_slurm", "launch_from_torch", "shutdown"]

@@ -6,7 +6,12 @@ Every rank runs :func:`main` (``tessera train`` starts them through torchrun). R
 run folder: ``config.json`` (the resolved config), ``metrics.jsonl`` (one line per step),
 ``loss.png`` (the loss curve), ``experts.png`` for a mixture-of-experts model (each layer's
 expert load over the steps; the counts are in ``metrics.jsonl``) and the final weights: ``model.safetensors`` for the reference
-model, an ``hf/`` folder that ``transformers`` loads for a Hugging Face one.
+model, an ``hf/`` folder that ``transformers`` loads for a Hugging Face one; and ``memory.json``
+under ZeRO and Gemini (their chunks and bytes per tier, ``Strategy.report``).
+
+The engine is closed at the end of training and when it raises (``Trainer.fit``), and
+``tessera.shutdown()`` closes it if the error came before: Gemini's offload files are removed
+however the run ends, short of a kill (then the next run over the same folder removes them).
 """
 
 from __future__ import annotations
@@ -155,6 +160,21 @@ def split_tokens(tokens: torch.Tensor, seq_len: int, data: DataConfig) -> tuple[
         raise ConfigError(str(exc)) from None
 
 
+class MemoryReportHook(Hook):
+    """At the end of training, writes what the strategy tells of its memory (``Strategy.report``:
+    ZeRO's and Gemini's chunks, utilisation and bytes per tier at their peak) to ``path`` as
+    JSON, when it tells something (rank 0's; nothing for plain data parallelism)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+
+    def after_fit(self, trainer: Any) -> None:
+        report = trainer.engine.strategy.report()
+        if self.path is not None and report:
+            text = json.dumps({"strategy": trainer.engine.strategy.name, **report}, indent=2, default=str)
+            write_atomically(self.path, text + "\n")
+
+
 # ---- the recipe --------------------------------------------------------------------------------
 
 
@@ -251,6 +271,7 @@ def run(cfg: Config, run_dir: Path) -> list[dict[str, Any]]:
         EvalHook(eval_loader, every=cfg.trainer.eval_every, max_batches=cfg.trainer.eval_batches),
         recipe.final_weights(run_dir),
         LogHook(every=cfg.trainer.log_every, jsonl=run_dir / "metrics.jsonl"),
+        MemoryReportHook(run_dir / "memory.json" if ctx.rank == 0 else None),
         ProgressBarHook(enabled=cfg.trainer.progress_bar),
     ]
     trainer = Trainer(

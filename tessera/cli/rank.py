@@ -5,6 +5,8 @@ as ``__main__``, with its failure written to the run folder instead of the termi
 target raises, this rank writes ``<run folder>/logs/rank<N>.log`` (the whole traceback) and
 ``rank<N>.json`` (its type and message) and exits 2 for a tessera error, 1 otherwise; the
 command that started the ranks prints each distinct error once, naming the ranks that raised it.
+The engines the target left open are closed first (their offload files removed): the launcher
+stops the other ranks soon after one fails, before they reach their interpreter's exit.
 """
 
 from __future__ import annotations
@@ -47,6 +49,16 @@ def record_failure(exc: BaseException, log_dir: Path, rank: str) -> None:
     (log_dir / f"rank{rank}.json").write_text(json.dumps(summary) + "\n")
 
 
+def close_engines_after(exc: BaseException) -> None:
+    """Close the engines the target left open when it raised ``exc`` (their offload files go),
+    if it made any; a failure to close is warned of, ``exc`` stays the error reported."""
+    lifecycle = sys.modules.get("tessera.engine.lifecycle")  # not imported: the target made no engine
+    if lifecycle is None:
+        return
+    for engine in lifecycle.open_engines():
+        lifecycle.close_after(engine, exc)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 2 or argv[0] not in ("--script", "--module"):
@@ -71,6 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BaseException as exc:
         from tessera.errors import TesseraError
 
+        close_engines_after(exc)  # before the launcher, seeing a rank fail, stops the others
         record_failure(exc, Path(run_dir) / "logs", os.environ.get("RANK", "0"))
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             time.sleep(0.5)  # ranks that fail together all get to write before the launcher stops them

@@ -29,6 +29,7 @@ from tessera import comm
 from tessera.amp import LossScaler, autocast
 from tessera.context import ParallelContext
 from tessera.engine.batches import loss_items, loss_shifts_labels, output_loss
+from tessera.engine.lifecycle import close_after, track, untrack
 from tessera.engine.options import LossScaleOptions, TrainingOptions
 from tessera.errors import TesseraError
 from tessera.nn.moe import moe_layers, set_aux_grad_scale
@@ -130,6 +131,29 @@ class Engine:
         self.loss_items: Callable[[Mapping[str, Any]], torch.Tensor] = partial(
             loss_items, shift=loss_shifts_labels(strategy.module)
         )
+        self.closed = False
+        track(self)
+
+    # ---- its end -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release what the strategy holds outside the process (Gemini: its offload files); once,
+        later calls do nothing. Not collective. What is in memory stays readable (weights, full
+        state dicts), but a strategy that kept state on disk cannot train after. ``with engine:``
+        closes it at the block's end, ``Trainer.fit`` at its own."""
+        if self.closed:
+            return
+        self.closed = True
+        untrack(self)
+        self.strategy.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: Any) -> None:
+        if error is None:
+            self.close()
+        else:
+            close_after(self, error)  # the error that ended the block stays the one raised
 
     def local_tokens(self, batch: Any, length: int | None = None) -> Any:
         """This rank's tokens of every sequence in ``batch`` under sequence parallelism (the
@@ -413,8 +437,8 @@ class Engine:
         return self.mean_over_data(loss), outputs
 
     def state_dict(self) -> dict[str, Any]:
-        """Engine counters and loss-scaler state (model and optimizer state are saved apart:
-        ``full_state_dict(engine.module)`` and ``engine.strategy.state_dict()``)."""
+        """Engine counters and loss-scaler state (model and optimizer state are saved apart, by
+        ``tessera.checkpoint``)."""
         return {
             "global_step": self.global_step,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,

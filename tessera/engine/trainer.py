@@ -95,7 +95,15 @@ class Trainer:
         test_dataloader: DataLoader | None = None,
     ) -> list[dict[str, Any]]:
         """Train for ``epochs`` passes or ``steps`` optimizer steps (whichever is given; with
-        both, whichever ends first). Returns the per-step metrics."""
+        both, whichever ends first). Returns the per-step metrics. The engine is closed at the
+        end, after the hooks' ``after_fit``, and when training raises (``Engine.close``: Gemini's
+        offload files are removed)."""
+        with self.engine:
+            return self._fit(train_dataloader, epochs, steps, test_dataloader)
+
+    def _fit(
+        self, train_dataloader: DataLoader, epochs: int | None, steps: int | None, test_dataloader: DataLoader | None
+    ) -> list[dict[str, Any]]:
         if epochs is None and steps is None:
             raise ValueError("fit() needs epochs= or steps=")
         per_epoch = self.steps_per_epoch(train_dataloader)
