@@ -5,6 +5,7 @@ the step). The data loaders that give each data-parallel rank its own share of t
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -12,41 +13,50 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from tessera import comm
-from tessera.comm import AxisGroup
 from tessera.context import ParallelContext
+from tessera.context.reduction import Reduction, gradient_reduction, reduce_gradients_of
 from tessera.memory.deferred import allocate_module
-from tessera.parallel.experts import expert_parameter_names, is_expert, reduce_expert_gradients
 from tessera.parallel.loaders import ResumableLoader, ResumableSampler, distributed_loader
 from tessera.parallel.strategy import Strategy
 
 
-def _bucket_all_reduce_hook(group: AxisGroup, bucket):  # type: ignore[no-untyped-def]
-    """DDP comm hook: average a gradient bucket over the data axis (divide, then sum).
+def _bucket_all_reduce_hook(reduction: Reduction, bucket):  # type: ignore[no-untyped-def]
+    """DDP comm hook: reduce a gradient bucket as ``reduction`` says (divide, then sum).
 
     ``bucket`` is a ``dist.GradBucket``; it is left unannotated because DDP checks the
     annotation object itself and this module's annotations are strings.
     """
-    return comm.all_reduce_async(bucket.buffer().div_(group.size), group)
+    return comm.all_reduce_async(bucket.buffer().div_(reduction.divide_by), reduction.group)
 
 
-def wrap_data_parallel(model: nn.Module, group: AxisGroup, device: torch.device, **ddp_options: Any) -> nn.Module:
-    """Wrap ``model`` in DDP over ``group`` (returned unchanged when the group has one rank).
+def reduced_apart(params: Iterable[torch.Tensor], ctx: ParallelContext) -> list[torch.Tensor]:
+    """The parameters among ``params`` whose gradients are not reduced like a parameter every
+    replica holds (an MoE layer's experts): DDP leaves them to be reduced after the backward."""
+    replicated = gradient_reduction(ctx)
+    return [p for p in params if gradient_reduction(ctx, p) != replicated]
+
+
+def wrap_data_parallel(model: nn.Module, ctx: ParallelContext, device: torch.device, **ddp_options: Any) -> nn.Module:
+    """Wrap ``model`` in DDP over the group a replicated parameter's gradient is reduced over
+    (``tessera.context.reduction``: the replicas); returned unchanged when it has one rank.
 
     DDP keeps its bucketing and overlap of reduction with the backward pass; only the bucket
     all-reduce is routed through ``tessera.comm``. Its one-off broadcast of the initial weights
     and (with ``broadcast_buffers``) of buffers go through DDP itself and are not in the ledger.
-    Expert parameters (split over the ``expert`` axis) are left out: their holders reduce them
-    apart (``tessera.parallel.experts``), and DDP's initial broadcast would overwrite them with
-    another rank's experts.
+    Parameters reduced over another group (:func:`reduced_apart`: experts) are left out: their
+    holders reduce them apart, and DDP's initial broadcast would overwrite them with another
+    rank's experts.
     """
-    if group.size == 1:
+    reduction = gradient_reduction(ctx)
+    if reduction.group.size == 1:
         return model
-    experts = expert_parameter_names(model)
-    if experts:
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts)
+    apart = {id(p) for p in reduced_apart(model.parameters(), ctx)}
+    if apart:
+        names = [name for name, p in model.named_parameters() if id(p) in apart]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
     device_ids = [device.index] if device.type == "cuda" else None
-    ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=group.pg, **ddp_options)
-    ddp.register_comm_hook(group, _bucket_all_reduce_hook)
+    ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=reduction.group.pg, **ddp_options)
+    ddp.register_comm_hook(reduction, _bucket_all_reduce_hook)
     comm.hold_process_group(ddp, _release_process_group)
     return ddp
 
@@ -59,9 +69,10 @@ def _release_process_group(ddp: DistributedDataParallel) -> None:
 
 
 class DataParallel(Strategy):
-    """Plain data parallelism: the model wrapped in DDP over the data axis, which averages the
-    gradients during the step's last backward pass (expert parameters after it, over the ranks
-    holding the same experts); the user's optimizer steps replicas alike."""
+    """Plain data parallelism: the model wrapped in DDP over the replicas, which averages the
+    gradients during the step's last backward pass (the parameters reduced apart, such as
+    experts, after it, each as ``tessera.context.reduction`` says); the user's optimizer steps
+    replicas alike."""
 
     name = "ddp"
 
@@ -70,7 +81,7 @@ class DataParallel(Strategy):
         self.optimizer = optimizer
         self.ctx = ctx
         allocate_module(module, ctx.device, lambda p: True)  # a deferred model: DDP needs real tensors
-        self.model = wrap_data_parallel(module, ctx.replicas, ctx.device)
+        self.model = wrap_data_parallel(module, ctx, ctx.device)
 
     def forward(self, *args: Any, final: bool = True, **kwargs: Any) -> Any:
         if isinstance(self.model, DistributedDataParallel):
@@ -78,13 +89,14 @@ class DataParallel(Strategy):
         return self.model(*args, **kwargs)
 
     def reduce_gradients(self) -> None:
-        reduce_expert_gradients(self.module.parameters(), self.ctx)
+        reduce_gradients_of(reduced_apart(self.module.parameters(), self.ctx), self.ctx)
 
 
 class AverageAtStep(Strategy):
-    """Replicated optimizer whose gradients are averaged over the data axis in one flat
-    all-reduce after the step's last backward (for modules not wrapped in DDP, such as a
-    pipeline stage's, whose step runs many backward passes)."""
+    """Replicated optimizer whose gradients are reduced after the step's last backward, one flat
+    all-reduce per group that ``tessera.context.reduction`` assigns (the replicas; the ranks
+    holding the same experts): for modules not wrapped in DDP, such as a pipeline stage's,
+    whose step runs many backward passes."""
 
     name = "allreduce"
 
@@ -94,11 +106,7 @@ class AverageAtStep(Strategy):
         self.ctx = ctx
 
     def reduce_gradients(self) -> None:
-        reduce_expert_gradients(self.module.parameters(), self.ctx)
-        group = self.ctx.replicas
-        if group.size > 1:
-            grads = [p.grad for p in self.module.parameters() if p.grad is not None and not is_expert(p)]
-            comm.all_reduce_flat(grads, group, op="avg")
+        reduce_gradients_of(self.module.parameters(), self.ctx)
 
 
 __all__ = [
@@ -107,5 +115,6 @@ __all__ = [
     "ResumableLoader",
     "ResumableSampler",
     "distributed_loader",
+    "reduced_apart",
     "wrap_data_parallel",
 ]
