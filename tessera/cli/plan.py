@@ -2,7 +2,12 @@
 predicted step time with the reason the best wins, and write the best as a config file.
 
 ``tessera plan --model gpt:gpt2-medium --devices 8 --device-memory 16GiB [--nodes 2]
-[--global-batch N] [--seq-len N] [--dtype bf16] [--calibrate] [--top 10] [--out best.py]``
+[--global-batch N] [--seq-len N] [--dtype bf16] [--calibrate] [--top 10] [--out best.py]
+[--set parallel.tensor.mode=2d ...]``
+
+``--set KEY=VALUE`` fixes a choice by its config key and lets the planner choose the rest; the
+assignments are checked as a config is, so a combination the layout rules refuse is refused
+here in the words the config and ``initialize`` use.
 
 The cluster's figures come from ``--hardware`` (default: A100 80GB in DGX nodes; see
 ``tessera.planner.scenarios.HARDWARE`` for the figures and their sources), overridden one by one
@@ -61,6 +66,10 @@ def add_parser(sub: Any) -> None:
                    help="measure this machine's compute rate and per-axis bandwidth with short runs first")  # fmt: skip
     p.add_argument("--top", type=int, default=10, help="ranked rows to print (default 10)")
     p.add_argument("--exhaustive", action="store_true", help="estimate every layout that fits (slower)")
+    p.add_argument("--set", action="append", default=[], dest="fixed", metavar="KEY=VALUE",
+                   help="fix a choice by its config key, the planner choosing the rest (repeatable): "
+                   "parallel.tensor.size=4, parallel.tensor.mode=2d, parallel.sequence.size=2, zero.stage=1, ...; "
+                   "refused as the config refuses it")  # fmt: skip
     p.add_argument("--markdown", action="store_true", help="print the table as markdown")
     p.add_argument("--out", default=None, metavar="FILE",
                    help="write the best layout as a config: .py, .toml, .yaml or .json")  # fmt: skip
@@ -124,7 +133,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"--top={args.top} must be at least 1")
     workload = Workload(global_batch=args.global_batch or 8 * args.devices, seq_len=args.seq_len, dtype=args.dtype,
                         optimizer=args.optimizer)  # fmt: skip
-    result = plan(model, cluster, workload, top=args.top, limits=Limits(exhaustive=args.exhaustive))
+    pins = fixed_fields(args.fixed)
+    limits = Limits(exhaustive=args.exhaustive, pins=pins, max_sequence=max(8, pins.get("sequence", 1)))
+    result = plan(model, cluster, workload, top=args.top, limits=limits)
     print(f"tessera plan: {model.describe()}; {workload.global_batch} samples a step, {args.dtype}; "
           f"{cluster.name}, {cluster.devices_per_node} a node, {cluster.device_memory / 2**30:.1f} GiB each; "
           f"{result.stats.describe()}", file=sys.stderr)  # fmt: skip
@@ -135,6 +146,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
         path = write_config(best.layout, args.model, workload, Path(args.out))
         print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def fixed_fields(assignments: list[str]) -> dict[str, Any]:
+    """The layout fields that ``--set KEY=VALUE`` fixes. The assignments are loaded as a config
+    first, so a wrong type or a combination the layout rules refuse (``tessera.context.rules``)
+    is refused in the words of the config, ``initialize`` and the planner; each key must be one
+    the planner chooses (``tessera.planner.layout.CONFIG_FIELDS``)."""
+    from tessera.config import load_config
+    from tessera.planner.layout import CONFIG_FIELDS, fields_of_config
+
+    if not assignments:
+        return {}
+    config = load_config(None, assignments)
+    values: dict[str, Any] = {}
+    for item in assignments:
+        key = item.split("=", 1)[0].strip()
+        if key not in CONFIG_FIELDS:
+            raise ConfigError(f"--set {key}: not a choice the planner makes; it fixes {', '.join(CONFIG_FIELDS)}")
+        value: Any = config
+        for part in key.split("."):
+            value = getattr(value, part)
+        values[key] = value
+    return fields_of_config(values)
 
 
 # ---- the config file of a layout ---------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Layer 2: the parallel layout (``ParallelDims``), its process groups (``ParallelContext``)
-and per-axis random streams.
+"""Layer 2: the parallel layout (``ParallelDims``), the layout rules (``rules.py``: which axes,
+modes, schedules and strategies combine), its process groups (``ParallelContext``) and per-axis
+random streams.
 
 ``ParallelDims`` and its checks need no torch; the rest loads on first use (PEP 562), so the
 command line can validate a layout before torch is imported.
@@ -20,6 +21,7 @@ from tessera.context.dims import (
     group_tables,
     integer_root,
 )
+from tessera.context.rules import RULES, Combination, Rule, check_combination
 
 _LAZY: dict[str, str] = {
     "ParallelContext": "tessera.context.context",
@@ -47,10 +49,14 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "BASE_AXES",
     "EXPERT_AXES",
+    "RULES",
     "TENSOR_MODES",
+    "Combination",
     "ParallelContext",
     "ParallelDims",
     "RNGStreams",
+    "Rule",
+    "check_combination",
     "check_tensor_layout",
     "get_context",
     "group_table",

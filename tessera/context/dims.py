@@ -30,6 +30,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from tessera.context.rules import DIMS_PARTS, Combination, check_combination, integer_root
 from tessera.errors import ConfigError
 
 BASE_AXES: tuple[str, ...] = ("data", "pipeline", "sequence", "tensor")
@@ -63,24 +64,14 @@ _DATA_COORDS: dict[str, tuple[str, ...]] = {
 AxisSpec = str | Sequence[str]
 
 
-def integer_root(value: int, power: int) -> int | None:
-    """Return ``r`` with ``r**power == value``, or None when there is none."""
-    if value < 1:
-        return None
-    root = round(value ** (1.0 / power))
-    for candidate in (root - 1, root, root + 1):
-        if candidate >= 1 and candidate**power == value:
-            return candidate
-    return None
-
-
 def check_tensor_layout(
     size: int, mode: str, depth: int = 1, sequence_parallel: bool = False, keep_blocks: bool = False
 ) -> None:
     """Raise ConfigError unless ``size`` ranks can run tensor mode ``mode`` with ``depth`` (and
-    ``sequence_parallel``, ``keep_blocks``). The one place the tensor mode is validated: the config schema and
-    :class:`ParallelDims` call it, and the registry of modes (``tessera.parallel.tensor.modes``)
-    has exactly the modes of :data:`TENSOR_MODES`."""
+    ``sequence_parallel``, ``keep_blocks``): the values' ranges here, how they combine in the layout
+    rules (:mod:`tessera.context.rules`). The config schema and :class:`ParallelDims` call it, and
+    the registry of modes (``tessera.parallel.tensor.modes``) has exactly the modes of
+    :data:`TENSOR_MODES`."""
     if mode not in TENSOR_MODES:
         raise ConfigError(
             f"parallel.tensor.mode={mode!r} is not a tensor-parallel mode; allowed: {', '.join(TENSOR_MODES)}"
@@ -89,34 +80,10 @@ def check_tensor_layout(
         raise ConfigError(f"parallel.tensor.size={size} must be at least 1")
     if depth < 1:
         raise ConfigError(f"parallel.tensor.depth={depth} must be at least 1")
-    if mode != "2.5d" and depth != 1:
-        raise ConfigError(
-            f"parallel.tensor.depth={depth} is only used by mode '2.5d' (mode is {mode!r}); leave depth at 1"
-        )
-    if mode == "2d" and integer_root(size, 2) is None:
-        raise ConfigError(
-            f"parallel.tensor.size={size} is not allowed for mode '2d': 2D (SUMMA) tensor "
-            "parallelism runs on a q x q grid, so the size must be a square (1, 4, 9, 16, ...)"
-        )
-    if mode == "2.5d":
-        if size % depth != 0 or integer_root(size // depth, 2) is None:
-            raise ConfigError(
-                f"parallel.tensor.size={size} with depth={depth} is not allowed for mode '2.5d': "
-                "2.5D (Tesseract) stacks `depth` q x q grids, so the size must be depth * q^2 "
-                f"(with depth={depth}: {', '.join(str(depth * q * q) for q in range(1, 5))}, ...)"
-            )
-    if mode == "3d" and integer_root(size, 3) is None:
-        raise ConfigError(
-            f"parallel.tensor.size={size} is not allowed for mode '3d': 3D tensor parallelism "
-            "runs on a q x q x q cube, so the size must be a cube (1, 8, 27, 64, ...)"
-        )
-    if sequence_parallel and mode != "1d":
-        raise ConfigError(f"parallel.tensor.sequence_parallel=True needs mode '1d' (mode is {mode!r})")
-    if keep_blocks and mode == "1d":
-        raise ConfigError(
-            "parallel.tensor.keep_blocks=True keeps the weight and activation blocks that modes '2d', '2.5d' "
-            "and '3d' move in the forward; mode '1d' moves none"
-        )
+    tensor = Combination(
+        tensor=size, tensor_mode=mode, tensor_depth=depth, sequence_parallel=sequence_parallel, keep_blocks=keep_blocks
+    )
+    check_combination(tensor, parts=("tensor",))
 
 
 @dataclass(frozen=True)
@@ -167,13 +134,25 @@ class ParallelDims:
                 f"the layout does not fit the world: data={self.data} x {sizes} = "
                 f"{self.data * model}, but the world size is {self.world_size}"
             )
-        if self.data_size % self.expert:
-            raise ConfigError(
-                f"parallel.expert.size={self.expert} must divide the data-parallel degree {self.data_size}: "
-                "experts are spread over data ranks (each group of `expert` data ranks holds every expert once)"
-            )
+        check_combination(self.combination(), DIMS_PARTS)  # the mesh's rules; the rest: where a layout runs
 
     # ---- derived facts -------------------------------------------------------------------
+    def combination(self) -> Combination:
+        """This layout as the layout rules (:mod:`tessera.context.rules`) read it; the strategy
+        choices made on it (ZeRO, Gemini, the pipeline's schedule) are left for the caller to add
+        with ``_replace``."""
+        return Combination(
+            data=self.data,
+            pipeline=self.pipeline,
+            sequence=self.sequence,
+            tensor=self.tensor,
+            tensor_mode=self.tensor_mode,
+            tensor_depth=self.tensor_depth,
+            sequence_parallel=self.sequence_parallel,
+            keep_blocks=self.keep_blocks,
+            expert=self.expert,
+        )
+
     @property
     def data_size(self) -> int:
         assert self.data is not None  # set in __post_init__

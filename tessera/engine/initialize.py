@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from tessera.context import ParallelContext
 from tessera.context.placement import placement_of
+from tessera.context.rules import Combination, check_combination
 from tessera.engine.engine import Engine
 from tessera.engine.options import TrainingOptions
 from tessera.errors import ConfigError, NotAvailableError
@@ -99,16 +100,12 @@ def choose_strategy(
 ) -> Strategy:
     """The one place that maps a layout to a strategy: pipeline stages (with a replicated or a
     ZeRO-1 optimizer), Gemini, ZeRO with its stage's policy, or DDP."""
+    check_combination(combination_of(ctx, options))  # the layout rules, as the config checks them
     check_model_fits_layout(model, ctx)
-    if ctx.size("expert") > 1 and options.gemini is not None:
-        raise NotAvailableError(
-            f"gemini with parallel.expert.size={ctx.size('expert')}: Gemini's chunks are not sharded over the "
-            "ranks that hold the same experts yet; use ZeRO (zero.stage 1-3) with expert parallelism"
-        )
     if ctx.size("pipeline") > 1:
         stage = _pipeline_stage(model, criterion, ctx, options)  # cut before ZeRO packs the chunks
         gradients: Strategy = (
-            Zero(model, optimizer, ctx, options.zero)  # stage 1 only (the config refuses 2 and 3 here)
+            Zero(model, optimizer, ctx, options.zero)  # stage 1 only (the layout rules refuse 2 and 3 here)
             if options.zero is not None
             else AverageAtStep(model, optimizer, ctx)
         )
@@ -118,6 +115,20 @@ def choose_strategy(
     if options.zero is not None:
         return Zero(model, optimizer, ctx, options.zero)  # reduces gradients itself: no DDP
     return DataParallel(model, optimizer, ctx)
+
+
+def combination_of(ctx: ParallelContext, options: TrainingOptions) -> Combination:
+    """``ctx``'s layout with the strategies ``options`` choose on it (ZeRO's stage and offload,
+    Gemini, the pipeline's schedule), as the layout rules (``tessera.context.rules``) read them."""
+    zero, pp = options.zero, options.pipeline
+    return ctx.dims.combination()._replace(
+        schedule=pp.schedule,
+        microbatches=pp.microbatches if pp.microbatches is not None else ctx.dims.pipeline,
+        chunks=pp.chunks,
+        zero=zero.policy.stage if zero is not None else 0,
+        offload=zero is not None and zero.offload != "none",
+        gemini=options.gemini is not None,
+    )
 
 
 def check_model_fits_layout(model: nn.Module, ctx: ParallelContext) -> None:

@@ -6,10 +6,31 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from tessera.context.rules import Combination
+from tessera.context.rules import problems as rule_problems
+
 TensorMode = Literal["1d", "2d", "2.5d", "3d"]
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zero_bubble"]
 SequenceMode = Literal["ring_qk", "ring", "all_to_all"]
 Checkpointing = Literal["none", "full", "selective"]
+
+#: the config keys of the choices a layout makes (:meth:`Layout.to_config` writes them) and the
+#: field of :class:`Layout` each sets: what ``tessera plan --set KEY=VALUE`` may fix
+CONFIG_FIELDS: dict[str, str] = {
+    "parallel.data": "data",
+    "parallel.tensor.size": "tensor",
+    "parallel.tensor.mode": "tensor_mode",
+    "parallel.tensor.depth": "depth",
+    "parallel.tensor.sequence_parallel": "sequence_parallel",
+    "parallel.pipeline.size": "pipeline",
+    "parallel.pipeline.schedule": "schedule",
+    "parallel.sequence.size": "sequence",
+    "parallel.sequence.mode": "sequence_mode",
+    "zero.stage": "zero",
+    "zero.offload_optimizer": "offload",
+    "activation_checkpoint.mode": "checkpoint",
+    "data.micro_batch_size": "micro_batch",
+}
 
 
 @dataclass(frozen=True)
@@ -93,33 +114,29 @@ class Layout:
         return " ".join(parts) if len(parts) > 1 or self.world > 1 else "single " + parts[0]
 
     def problems(self) -> list[str]:
-        """Why this layout cannot run as written (empty when it can)."""
-        out = []
-        for key in ("data", "tensor", "pipeline", "sequence", "microbatches", "micro_batch", "chunks", "depth"):
-            if getattr(self, key) < 1:
-                out.append(f"{key}={getattr(self, key)} must be at least 1")
-        if out:
-            return out
-        q = self.grid
-        if self.tensor_mode == "2d" and q * q != self.tensor:
-            out.append(f"2d needs a square tensor size, not {self.tensor}")
-        if self.tensor_mode == "2.5d" and (self.tensor % self.depth or q * q * self.depth != self.tensor):
-            out.append(f"2.5d needs tensor = depth x q^2, not {self.tensor} with depth {self.depth}")
-        if self.tensor_mode == "3d" and q**3 != self.tensor:
-            out.append(f"3d needs a cubic tensor size, not {self.tensor}")
-        if self.sequence_parallel and self.tensor_mode != "1d":
-            out.append("sequence_parallel regions are 1d only")
-        if self.sequence > 1 and self.tensor > 1 and self.tensor_mode != "1d":
-            out.append("a sequence axis composes with 1d tensor parallelism only")
-        if self.pipeline > 1 and self.schedule != "gpipe" and self.microbatches < self.pipeline:
-            out.append(f"{self.schedule} needs at least {self.pipeline} micro-batches")
-        if self.chunks > 1 and self.schedule != "interleaved":
-            out.append("chunks > 1 needs the interleaved schedule")
-        if self.zero >= 2 and self.pipeline > 1:
-            out.append("ZeRO stages 2 and 3 do not run with pipeline stages")
-        if self.offload and self.zero == 0:
-            out.append("optimizer offload needs a ZeRO stage")
-        return out
+        """Why this layout cannot run as written (empty when it can): a count below 1, or the
+        messages of the layout rules that refuse it (``tessera.context.rules``, the words the
+        config and ``initialize`` use)."""
+        counts = ("data", "tensor", "pipeline", "sequence", "microbatches", "micro_batch", "chunks", "depth")
+        out = [f"{key}={getattr(self, key)} must be at least 1" for key in counts if getattr(self, key) < 1]
+        return out or rule_problems(self.combination())
+
+    def combination(self) -> Combination:
+        """This layout and its ZeRO stage and offload as the layout rules read them."""
+        return Combination(
+            data=self.data,
+            pipeline=self.pipeline,
+            sequence=self.sequence,
+            tensor=self.tensor,
+            tensor_mode=self.tensor_mode,
+            tensor_depth=self.depth,
+            sequence_parallel=self.sequence_parallel,
+            schedule=self.schedule,
+            microbatches=self.microbatches,
+            chunks=self.chunks,
+            zero=self.zero,
+            offload=self.offload,
+        )
 
     def to_config(self) -> dict[str, Any]:
         """The config sections (``tessera.config`` keys) that run this layout."""
@@ -149,3 +166,13 @@ class Layout:
         if self.checkpoint != "none":
             out["activation_checkpoint"] = {"mode": self.checkpoint}
         return out
+
+
+def fields_of_config(values: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`Layout` fields that config ``values`` (keys of :data:`CONFIG_FIELDS`, values as
+    the config holds them) set: ``zero.offload_optimizer`` is ``offload``'s "cpu" or "none"."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        name = CONFIG_FIELDS[key]
+        out[name] = value != "none" if name == "offload" else value
+    return out
