@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from tessera.context.dims import check_tensor_layout
+from tessera.context.rules import Combination, check_combination
 from tessera.errors import ConfigError
 
 
@@ -67,16 +68,7 @@ class PipelineConfig:
             raise ConfigError(f"{path}microbatches={self.microbatches} must be at least 1")
         if self.chunks < 1:
             raise ConfigError(f"{path}chunks={self.chunks} must be at least 1")
-        if self.schedule != "interleaved" and self.chunks != 1:
-            raise ConfigError(
-                f"{path}chunks={self.chunks} needs schedule='interleaved' (schedule is {self.schedule!r})"
-            )
-        micro = self.microbatches if self.microbatches is not None else self.size
-        if self.size > 1 and self.schedule != "gpipe" and micro < self.size:
-            raise ConfigError(
-                f"{path}microbatches={micro} is fewer than the {self.size} stages: schedule "
-                f"{self.schedule!r} needs at least one micro-batch per stage in flight (use >= {self.size}, or 'gpipe')"
-            )
+        check_combination(self.combination())  # the schedule's rules: tessera.context.rules
         if self.partition == "explicit":
             want = self.size * self.chunks - 1
             if self.boundaries is None or len(self.boundaries) != want:
@@ -85,6 +77,11 @@ class PipelineConfig:
                 raise ConfigError(f"{path}boundaries={self.boundaries} must be strictly increasing and >= 1")
         elif self.boundaries is not None:
             raise ConfigError(f"{path}boundaries is only used with partition='explicit'")
+
+    def combination(self) -> Combination:
+        """The stages, schedule, micro-batches (default: one per stage) and chunks, for the layout rules."""
+        micro = self.microbatches if self.microbatches is not None else self.size
+        return Combination(pipeline=self.size, schedule=self.schedule, microbatches=micro, chunks=self.chunks)
 
 
 @dataclass(frozen=True)
@@ -148,21 +145,21 @@ class ParallelConfig:
                 )
         if self.data is not None and self.data < 1:
             raise ConfigError(f"{path}data={self.data} must be at least 1")
-        if self.expert.size > 1 and self.tensor.size > 1 and self.tensor.mode != "1d":
-            raise ConfigError(
-                f"expert parallelism composes with 1d tensor parallelism (inside each expert), not "
-                f"{self.tensor.mode!r}: use {path}tensor.mode='1d' or {path}expert.size=1"
-            )
-        if self.expert.size > 1 and self.tensor.sequence_parallel:
-            raise ConfigError(
-                f"{path}expert.size={self.expert.size} with {path}tensor.sequence_parallel=True: MoE layers route "
-                "whole tokens on every tensor rank; turn sequence_parallel off"
-            )
-        if self.sequence.size > 1 and self.tensor.size > 1 and self.tensor.mode != "1d":
-            raise ConfigError(
-                f"sequence parallelism composes with 1d tensor parallelism, not {self.tensor.mode!r}: "
-                f"use {path}tensor.mode='1d' or {path}sequence.size=1"
-            )
+        check_combination(self.combination())  # how the axes combine: tessera.context.rules
+
+    def combination(self) -> Combination:
+        """This layout as the layout rules read it (the data degree unknown unless given)."""
+        return self.pipeline.combination()._replace(
+            data=self.data,
+            sequence=self.sequence.size,
+            tensor=self.tensor.size,
+            tensor_mode=self.tensor.mode,
+            tensor_depth=self.tensor.depth,
+            sequence_parallel=self.tensor.sequence_parallel,
+            keep_blocks=self.tensor.keep_blocks,
+            expert=self.expert.size,
+            auto=self.auto,
+        )
 
 
 @dataclass(frozen=True)
@@ -513,41 +510,12 @@ class Config:
             raise ConfigError(f"gradient_accumulation={self.gradient_accumulation} must be at least 1")
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise ConfigError(f"clip_grad_norm={self.clip_grad_norm} must be positive (or None)")
-        if self.gemini.active:
-            if self.parallel.auto:
-                raise ConfigError(
-                    "gemini with parallel='auto': the planner chooses ZeRO stages and offload, not Gemini's chunks; "
-                    "set the layout by hand with gemini, or turn gemini off"
-                )
-            if self.zero.stage > 0:
-                raise ConfigError(
-                    f"gemini with zero.stage={self.zero.stage}: Gemini is ZeRO-3 over the data axis with chunks placed "
-                    "on device, host and disk; set zero.stage=0 (or turn gemini off)"
-                )
-            if self.parallel.pipeline.size > 1:
-                raise ConfigError(
-                    f"gemini with parallel.pipeline.size={self.parallel.pipeline.size}: Gemini does not run pipeline "
-                    "stages; use data and 1d tensor parallelism with it"
-                )
-            if self.parallel.tensor.size > 1 and self.parallel.tensor.mode != "1d":
-                raise ConfigError(
-                    f"gemini with parallel.tensor.mode={self.parallel.tensor.mode!r}: Gemini works with 1d tensor "
-                    "parallelism; use mode='1d' or tensor.size=1"
-                )
-            if self.parallel.sequence.size > 1:
-                raise ConfigError(
-                    f"gemini with parallel.sequence.size={self.parallel.sequence.size}: Gemini with sequence "
-                    "parallelism is not supported yet; use ZeRO (zero.stage) with it, or sequence.size=1"
-                )
-        if self.parallel.expert.size > 1 and self.gemini.active:
-            raise ConfigError(
-                f"gemini with parallel.expert.size={self.parallel.expert.size}: Gemini's chunks are not sharded "
-                "over the ranks that hold the same experts yet; use ZeRO (zero.stage 1-3) with expert parallelism"
-            )
-        if self.zero.stage >= 2 and self.parallel.pipeline.size > 1:
-            raise ConfigError(
-                f"zero.stage={self.zero.stage} with parallel.pipeline.size={self.parallel.pipeline.size}: stages 2 "
-                "and 3 reduce (and free) gradients during every backward pass, but a pipeline step runs many "
-                "backward passes and sums tied weights' gradients across stages afterwards; use zero.stage=1 "
-                "with pipeline stages"
-            )
+        check_combination(self.combination())  # how the strategies combine with the layout: tessera.context.rules
+
+    def combination(self) -> Combination:
+        """The layout and its strategy choices (ZeRO stage and offload, Gemini) as the layout rules read them."""
+        return self.parallel.combination()._replace(
+            zero=self.zero.stage,
+            offload=self.zero.offload_optimizer != "none",
+            gemini=self.gemini.active,
+        )
