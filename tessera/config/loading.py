@@ -16,6 +16,7 @@ import operator
 import sys
 import types
 import typing
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -109,7 +110,18 @@ def build(cls: type, data: Any, path: str = "") -> Any:
             raise ConfigError(f"{where} must be a mapping of keys to values, got {data!r}")
     hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
+    renamed: Mapping[str, str] = getattr(cls, "RENAMED", {})
     for key, value in data.items():
+        if key in renamed:  # an old name keeps working, with a warning naming the new one
+            new = renamed[key]
+            if new in data:
+                raise ConfigError(
+                    f"'{path}{key}' and '{path}{new}' both given: '{path}{key}' is the old name of '{path}{new}'"
+                )
+            warnings.warn(
+                f"config key '{path}{key}' is deprecated: use '{path}{new}' (same meaning)", FutureWarning, stacklevel=2
+            )
+            key = new
         if key not in names:
             near = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
             hint = f"; did you mean '{path}{near[0]}'?" if near else ""

@@ -29,7 +29,7 @@ def training_options(config: Config) -> TrainingOptions:
         ZeroOptions(
             policy=ZeroPolicy.for_stage(z.stage),
             precision=mp.dtype,
-            bucket_mb=z.bucket_mb,
+            chunk_mb=z.chunk_mb,
             overlap_comm=z.overlap_comm,
             offload=z.offload_optimizer,
         )

@@ -4,7 +4,7 @@ documentation, and a ``validate`` method for the rules between fields."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from tessera.context.dims import check_tensor_layout
 from tessera.context.rules import Combination, check_combination
@@ -194,14 +194,17 @@ class PlannerConfig:
 class ZeroConfig:
     stage: int = _field(0, "0 (off), 1 (shard optimizer states), 2 (+ gradients), 3 (+ parameters).")
     overlap_comm: bool = _field(True, "Overlap gradient reduction with the backward pass.")
-    bucket_mb: float = _field(25.0, "Size of a gradient-reduction bucket in MiB.")
+    chunk_mb: float = _field(
+        25.0, "Chunk capacity in MiB: parameters are packed into chunks, each also a gradient reduction's bucket."
+    )
     offload_optimizer: Literal["none", "cpu"] = _field("none", "Keep optimizer states in host memory and step there.")
+    RENAMED: ClassVar[dict[str, str]] = {"bucket_mb": "chunk_mb"}
 
     def validate(self, path: str) -> None:
         if self.stage not in (0, 1, 2, 3):
             raise ConfigError(f"{path}stage={self.stage} is not a ZeRO stage; allowed: 0, 1, 2, 3")
-        if self.bucket_mb <= 0:
-            raise ConfigError(f"{path}bucket_mb={self.bucket_mb} must be positive")
+        if self.chunk_mb <= 0:
+            raise ConfigError(f"{path}chunk_mb={self.chunk_mb} must be positive")
         if self.offload_optimizer != "none" and self.stage == 0:
             raise ConfigError(f"{path}offload_optimizer={self.offload_optimizer!r} needs stage >= 1")
 

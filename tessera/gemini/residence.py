@@ -5,19 +5,17 @@ state as training views them, and put back under the budgets after."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 from torch import nn
 
-from tessera.gemini.chunk import TieredChunk
-from tessera.memory.chunks import Slot
 from tessera.memory.manager import ChunkMemory
+from tessera.memory.tiered_chunk import TieredChunk
 from tessera.memory.tiers import Part, Residence, Tier, TierLedger
-
-Piece = tuple[nn.Parameter, Slot, int, int]
+from tessera.optim.streams import StreamStates
+from tessera.zero.sharded import ShardedOptimizer
 
 
 class _EmptyFor(dict[torch.device, torch.Tensor]):
@@ -32,22 +30,18 @@ EMPTY_FOR = _EmptyFor()
 
 
 class Residency:
-    """The checkpoint and filling side of :class:`~tessera.gemini.optimizer.GeminiOptimizer`
+    """The checkpoint and filling side of :class:`~tessera.gemini.tiered.TieredResidence`
     (a mixin over its chunks, parts, pieces and optimizer)."""
 
+    sharded: ShardedOptimizer
     memory: ChunkMemory
     ledger: TierLedger
     chunks: list[TieredChunk]
-    params: list[nn.Parameter]
-    optimizer: torch.optim.Optimizer
     streams: list[str]
     separate_master: bool
     _parts: list[dict[str, Part]]
-    _pieces: list[list[Piece]]
-    _scalars: dict[int, dict[str, Any]]
-    _slot_of: dict[int, tuple[TieredChunk, Slot]]
+    states: StreamStates
     _resident: bool
-    _bind: Callable[..., None]
 
     @contextmanager
     def resident(self) -> Iterator[None]:
@@ -71,7 +65,11 @@ class Residency:
                     if "states" in parts and parts["states"].residence is not Residence.EMPTY:
                         states = self.memory.need(parts["states"], Tier.HOST)
                         held.append(parts["states"])
-                    self._bind(self._pieces[chunk.index], master, None, states, first=states is None)
+                    for piece, _, a, b in self.sharded.pieces[chunk.index]:
+                        piece.data = master[a:b]
+                    if states is not None:
+                        held_states = [(piece, a, b) for piece, _, a, b in self.sharded.pieces[chunk.index]]
+                        self.states.bind(held_states, states, chunk.shard_numel)
                 try:
                     yield
                 finally:
@@ -112,14 +110,16 @@ class Residency:
                     master = self.memory.need(master_part, where, fill=False)
                     taken.append(master_part)
                     master.zero_()  # the padding too: every element has a value
-                    for piece, _, a, b in self._pieces[i]:
+                    for piece, _, a, b in self.sharded.pieces[i]:
                         piece.data = master[a:b]
-                yield [p for p in self.held_pieces() if self._slot_of[id(p[1])][0].index in indices]
+                chosen = set(indices)
+                slot_of = self.sharded._slot_of
+                yield [p for p in self.sharded.held_pieces() if slot_of[id(p[1])][0].index in chosen]
                 for i in indices:
                     self._fresh_values(self._parts[i])
             finally:
                 for i in indices:
-                    for piece, _, _, _ in self._pieces[i]:
+                    for piece, _, _, _ in self.sharded.pieces[i]:
                         piece.data = EMPTY_FOR[piece.device]
                 for part in taken:
                     self.memory.done(part)
@@ -140,36 +140,18 @@ class Residency:
     def _take_states(self, chunk: TieredChunk, parts: dict[str, Part]) -> None:
         """After a resident block: the optimizer's states of ``chunk``'s pieces into its states
         part (a load replaced them), its scalars kept; the pieces emptied again."""
-        pieces = self._pieces[chunk.index]
-        found = [self.optimizer.state.get(piece) for piece, _, _, _ in pieces]
-        if self.streams and any(found):
-            states_part = parts["states"]
-            states = self.memory.need(states_part, Tier.HOST, fill=states_part.residence is not Residence.EMPTY)
-            n = chunk.shard_numel
-            for (_, _, a, b), state in zip(pieces, found):
-                for k, key in enumerate(self.streams):
-                    value = (state or {}).get(key)
-                    view = states[k * n + a : k * n + b]
-                    if value is not None and value.data_ptr() != view.data_ptr():
-                        view.copy_(value.reshape(-1))
-            self.memory.dirty(states_part)
-            self.memory.done(states_part)
-        for (piece, _, _, _), state in zip(pieces, found):
-            self.optimizer.state.pop(piece, None)
-            if state:
-                self._scalars[id(piece)] = {k: v for k, v in state.items() if k not in self.streams}
+        pieces = self.sharded.pieces[chunk.index]
+        held = [(piece, a, b) for piece, _, a, b in pieces]
+        if self.streams and any(self.sharded.optimizer.state.get(piece) for piece, _, _ in held):
+            part = parts["states"]
+            states = self.memory.need(part, Tier.HOST, fill=part.residence is not Residence.EMPTY)
+            self.states.unbind(held, states, chunk.shard_numel)
+            self.memory.dirty(part)
+            self.memory.done(part)
+        else:
+            self.states.unbind(held, None, chunk.shard_numel)
+        for piece, _, _ in held:
             piece.data, piece.grad = EMPTY_FOR[piece.device], None
-
-    def held_pieces(self) -> list[tuple[str, nn.Parameter, nn.Parameter, int, int]]:
-        """``(name, parameter, piece, start, end)`` for each piece this rank steps (inside
-        :meth:`resident`, where the pieces view the masters)."""
-        out = []
-        for chunk, pieces in zip(self.chunks, self._pieces):
-            lo = chunk.shard_range[0]
-            for piece, slot, a, b in pieces:
-                start = lo + a - slot.offset
-                out.append((slot.name, self.params[slot.index], piece, start, start + (b - a)))
-        return out
 
     def masters_loaded(self) -> None:
         """New values reached the masters inside :meth:`resident` (a checkpoint loaded); a no-op

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,12 +37,10 @@ from torch import nn
 
 from tessera.engine import Hook
 from tessera.engine.batches import IGNORE_INDEX
+from tessera.engine.hooks import TrainingLoop
 from tessera.errors import ConfigError, NotAvailableError
 from tessera.hf.weights import CONFIG, INDEX, WEIGHTS, from_pretrained, save_pretrained
 from tessera.init.recording import deferred_init, forget, recording_of
-
-if TYPE_CHECKING:
-    from tessera.engine import Trainer
 
 __all__ = [
     "CausalLM",
@@ -272,7 +270,7 @@ class SavePretrainedHook(Hook):
         self.folder = folder
         self.tokenizer = tokenizer
 
-    def after_fit(self, trainer: Trainer) -> None:
+    def after_fit(self, trainer: TrainingLoop) -> None:
         save_pretrained(trainer.engine, self.folder)
         if self.tokenizer is not None and trainer.engine.ctx.rank == 0:
             self.tokenizer.save_pretrained(str(self.folder))

@@ -15,8 +15,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from tessera.memory.budgets import WorkingSet
 from tessera.memory.manager import ChunkMemory
-from tessera.memory.tiers import Part, Tier
+from tessera.memory.tiers import BudgetError, Part, Residence, Tier
 
 PARAM_KINDS = ("params",)
 OPTIMIZER_KINDS = ("master", "states", "grads")
@@ -45,10 +46,27 @@ class StaticPolicy:
         self._nchunks = nchunks
         self._room = {Tier.DEVICE: device_room, Tier.HOST: host_room}
 
+    def configure(self, need: WorkingSet, device_budget: int | None, host_budget: int | None) -> None:
+        """Homes within what the budgets leave beside the working set."""
+        inf = float("inf")
+        self.setup(need.chunks, (device_budget or inf) - need.device, (host_budget or inf) - need.host)
+
     def initial(self, part: Part, memory: ChunkMemory) -> Tier:
         home = self.home(part)
         assert home is not None
         return home
+
+    def step_tier(self, parts: dict[str, Part], memory: ChunkMemory, ungathered: int) -> Tier:
+        """Where a chunk is stepped: where its optimizer state's home's memory is."""
+        states = parts.get("states") or parts.get("master") or parts["params"]
+        if states.residence is Residence.DEVICE or self.home(states) not in (Tier.HOST, Tier.DISK):
+            return Tier.DEVICE
+        return Tier.HOST
+
+    def keep_room_for(
+        self, activations: int, chunks: Sequence[dict[str, Part]], ungathered: int, memory: ChunkMemory
+    ) -> None:
+        """Homes are fixed: activations take what the homes leave."""
 
     def home(self, part: Part) -> Tier | None:
         home = self._home.get(part.name)
@@ -79,6 +97,60 @@ class AutoPolicy:
     def __init__(self) -> None:
         self.reserve = 0  # device bytes kept free for working buffers (and activations)
         self.host_reserve = 0  # host bytes kept free for parts passing through
+
+    def configure(self, need: WorkingSet, device_budget: int | None, host_budget: int | None) -> None:
+        """Keep the working set's room free in each tier."""
+        self.reserve, self.host_reserve = need.device, need.host
+
+    def step_tier(self, parts: dict[str, Part], memory: ChunkMemory, ungathered: int) -> Tier:
+        """Device when the chunk's optimizer state is there, or when the device has room for
+        all its parts beside every chunk kept gathered (``ungathered``: the bytes the chunks not
+        gathered now would take), else host memory.
+
+        Device room goes to gathered chunks before optimizer states: a chunk kept gathered
+        across steps saves an all-gather in every forward and backward pass, while states in
+        host memory cost one move of the chunk's gradients and parameters (and nothing where
+        the device is the host's memory)."""
+        states = parts.get("states") or parts.get("master") or parts["params"]
+        if states.residence is Residence.DEVICE:
+            return Tier.DEVICE
+        if states.residence is Residence.EMPTY:
+            needed = sum(p.nbytes for p in parts.values() if p.residence is not Residence.DEVICE)
+            if memory.ledger.free(Tier.DEVICE) - self.reserve - ungathered >= needed:
+                return Tier.DEVICE
+        return Tier.HOST
+
+    def keep_room_for(
+        self, activations: int, chunks: Sequence[dict[str, Part]], ungathered: int, memory: ChunkMemory
+    ) -> None:
+        """After the warm-up: device room for the traced ``activations`` bytes from now on
+        (``chunks``: each chunk's parts; ``ungathered``: the bytes of the chunks not gathered now).
+
+        Optimizer parts leave the device first, last chunks first, while the device could not
+        also hold every chunk gathered beside its reserve (device room is worth more to gathered
+        chunks than to states, see :meth:`step_tier`), but only while host memory has room for
+        them (a move to disk costs more than an all-gather)."""
+        ledger = memory.ledger
+        budget = ledger.budget[Tier.DEVICE]
+        smallest = self.reserve + activations
+        too_small = BudgetError(
+            f"gemini.device_budget={budget} bytes cannot hold the traced activations ({activations} bytes) next to "
+            f"one chunk's working set: give gemini.device_budget >= {smallest} bytes or use smaller micro-batches"
+        )
+        if budget is not None and budget < smallest:
+            raise too_small
+        short = activations + self.reserve + ungathered - ledger.free(Tier.DEVICE)
+        for parts in reversed(chunks):
+            for kind in ("states", "master"):
+                part = parts.get(kind)
+                if short <= 0 or part is None or ledger.free(Tier.HOST) - self.host_reserve < part.nbytes:
+                    continue
+                if memory.demote(part):
+                    short -= part.nbytes
+        try:
+            memory.reserve(Tier.DEVICE, activations, "activations", "traced activations")
+        except BudgetError as error:
+            raise too_small from error
 
     def initial(self, part: Part, memory: ChunkMemory) -> Tier:
         """The first tier with room for ``part`` (device, host, disk), keeping ``reserve``

@@ -109,6 +109,17 @@ class HostAdamW(torch.optim.AdamW):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, foreach=foreach, fused=fused)
 
     # ---- buffers ------------------------------------------------------------------------------
+    @classmethod
+    def taking_over(cls, user: torch.optim.AdamW) -> HostAdamW:
+        """A ``HostAdamW`` over ``user``'s parameter groups (their settings, and the group dicts
+        themselves, so that schedulers bound to ``user`` that change an ``lr`` still reach it)."""
+        keys = ("params", "lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+        host = cls([{k: g[k] for k in keys if k in g} for g in user.param_groups])
+        for host_group, user_group in zip(host.param_groups, user.param_groups):
+            user_group.update(fused=host_group["fused"], foreach=host_group["foreach"], params=host_group["params"])
+        host.param_groups = user.param_groups
+        return host
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]

@@ -173,7 +173,8 @@ def _stage_sum(parts: dict[tuple[str, ...], torch.Tensor], ctx: ParallelContext,
     return total
 
 
-def _squares(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+def grad_squares(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Squared 2-norms of ``grads`` as a 1-D fp32 vector (the squares every gradient norm adds up)."""
     return torch.stack([n.float() for n in torch._foreach_norm(list(grads), 2.0)]).pow(2)
 
 
@@ -205,7 +206,7 @@ def global_grad_norm(
             placement = placement_of(p)
             if p.grad is not None and placement.counted_on(stage):
                 by_axes[placement.split_axes].append(p.grad)
-        parts = {axes: _squares(grads).sum() for axes, grads in by_axes.items()}
+        parts = {axes: grad_squares(grads).sum() for axes, grads in by_axes.items()}
     else:
         if ctx is None:
             raise ValueError("global_grad_norm over ZeRO pieces needs the context they are spread over")
@@ -213,7 +214,8 @@ def global_grad_norm(
         pieces = [p for p in params if p.grad is not None]
         if pieces:
             index = [placement_of(p).zero.index for p in pieces]  # type: ignore[union-attr]
-            per_slot.index_add_(0, torch.tensor(index, device=device), _squares([p.grad for p in pieces]).to(device))  # type: ignore[misc]
+            squares = grad_squares([p.grad for p in pieces])  # type: ignore[misc]
+            per_slot.index_add_(0, torch.tensor(index, device=device), squares.to(device))
         return norm_from_slot_squares(per_slot, zero_slots, ctx)
     if ctx is None:
         total = torch.zeros((), dtype=torch.float32, device=device)

@@ -32,7 +32,7 @@ from tessera.planner.spec import ModelSpec, Workload
 from tessera.planner.timing import Stage, local_parameters, stages
 
 MIB = 2**20
-#: ZeRO's default gradient bucket (``zero.bucket_mb``)
+#: ZeRO's default chunk, the unit of a gradient reduction (``zero.chunk_mb``)
 ZERO_BUCKET_BYTES = 25 * MIB
 
 

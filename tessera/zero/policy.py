@@ -41,12 +41,12 @@ _STAGES = {
 @dataclass(frozen=True)
 class ZeroOptions:
     """The sharded optimizer's settings: the stage's policy, the parameters' dtype
-    (``"fp32"``, ``"bf16"``, ``"fp16"``), the chunk size in MiB, whether gradient reductions
-    overlap the backward pass, and where fp32 masters and optimizer states live
-    (``"none"``: the device; ``"cpu"``: host memory)."""
+    (``"fp32"``, ``"bf16"``, ``"fp16"``), the chunk capacity in MiB (a chunk is also the unit
+    of a gradient reduction), whether gradient reductions overlap the backward pass, and where
+    fp32 masters and optimizer states live (``"none"``: the device; ``"cpu"``: host memory)."""
 
     policy: ZeroPolicy
     precision: str = "fp32"
-    bucket_mb: float = 25.0
+    chunk_mb: float = 25.0
     overlap_comm: bool = True
     offload: str = "none"

@@ -32,7 +32,7 @@ def token_data(steps: int = STEPS) -> TensorDataset:
 def gpt_config(dtype: str = "fp32", *, stage: int = 0, offload: str = "none") -> dict:
     return {
         "mixed_precision": {"dtype": dtype},
-        "zero": {"stage": stage, "bucket_mb": BUCKET_MB, "offload_optimizer": offload},
+        "zero": {"stage": stage, "chunk_mb": BUCKET_MB, "offload_optimizer": offload},
     }
 
 

@@ -13,7 +13,7 @@ from tests.dist.test_checkpoint_resume import BUCKET_MB, setup
 
 LAYOUTS = {
     "dp2": {"parallel": {"data": 2}},
-    "zero3-dp2": {"parallel": {"data": 2}, "zero": {"stage": 3, "bucket_mb": BUCKET_MB}},
+    "zero3-dp2": {"parallel": {"data": 2}, "zero": {"stage": 3, "chunk_mb": BUCKET_MB}},
 }
 
 

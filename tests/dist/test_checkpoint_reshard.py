@@ -27,10 +27,10 @@ PP_TP_DP_ZERO1 = (
             "tensor": {"size": 2, "mode": "1d"},
             "pipeline": {"size": 2, "schedule": "1f1b", "microbatches": 2},
         },
-        "zero": {"stage": 1, "bucket_mb": BUCKET_MB},
+        "zero": {"stage": 1, "chunk_mb": BUCKET_MB},
     },
 )
-ZERO3_DP4 = (4, {"parallel": {"data": 4}, "zero": {"stage": 3, "bucket_mb": BUCKET_MB}})
+ZERO3_DP4 = (4, {"parallel": {"data": 4}, "zero": {"stage": 3, "chunk_mb": BUCKET_MB}})
 TARGETS = {
     "zero3-dp4": ZERO3_DP4,
     "3d-tp8": (8, {"parallel": {"data": 1, "tensor": {"size": 8, "mode": "3d"}}}),

@@ -101,7 +101,7 @@ def resume(config: dict, path: str, optimizer_name: str = "adamw"):
 
 
 def zero(stage: int, **extra) -> dict:
-    return {"stage": stage, "bucket_mb": BUCKET_MB, **extra}
+    return {"stage": stage, "chunk_mb": BUCKET_MB, **extra}
 
 
 CASES = {

@@ -13,7 +13,7 @@ from tessera.checkpoint import consolidate, full_state_dict, inspect, save
 from tests.dist.test_checkpoint_resume import BUCKET_MB, build, setup
 
 LAYOUTS = {
-    "zero3-dp2": ({"parallel": {"data": 2}, "zero": {"stage": 3, "bucket_mb": BUCKET_MB}}, "zero3"),
+    "zero3-dp2": ({"parallel": {"data": 2}, "zero": {"stage": 3, "chunk_mb": BUCKET_MB}}, "zero3"),
     "tp2-1d": ({"parallel": {"data": 1, "tensor": {"size": 2, "mode": "1d"}}}, "ddp"),
     "pp2": ({"parallel": {"data": 1, "pipeline": {"size": 2, "schedule": "1f1b", "microbatches": 2}}}, "pipeline"),
 }

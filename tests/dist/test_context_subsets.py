@@ -20,7 +20,7 @@ from tessera.session import current_config, set_session
 from tessera.testing import tolerance, use_layout
 
 STEPS, GLOBAL_BATCH, SEQ = 3, 4, 16
-ACTOR = {"parallel": {"data": 2}, "zero": {"stage": 2, "bucket_mb": 0.016}}  # ranks 0-1
+ACTOR = {"parallel": {"data": 2}, "zero": {"stage": 2, "chunk_mb": 0.016}}  # ranks 0-1
 CRITIC = {"parallel": {"data": 1, "tensor": {"size": 2, "mode": "1d"}}}  # ranks 2-3
 STAGES = {"parallel": {"data": 1, "pipeline": {"size": 2, "schedule": "1f1b", "microbatches": 2}}}  # ranks 1-2
 

@@ -40,7 +40,7 @@ def make_config(stage: int, data: int | None, *, tensor: int = 1, accumulation: 
                 dtype: str = "fp32", offload: str = "none", overlap: bool = True) -> dict:  # fmt: skip
     return {
         "parallel": {"data": data, "tensor": {"size": tensor, "mode": "1d"}},
-        "zero": {"stage": stage, "bucket_mb": BUCKET_MB, "offload_optimizer": offload, "overlap_comm": overlap},
+        "zero": {"stage": stage, "chunk_mb": BUCKET_MB, "offload_optimizer": offload, "overlap_comm": overlap},
         "gradient_accumulation": accumulation,
         "clip_grad_norm": clip,
         "mixed_precision": {"dtype": dtype},
@@ -133,7 +133,7 @@ def test_zero_overlap_off_and_cpu_offload_give_the_same_answer(pools, references
 def body_accounting(stage: int, dtype: str):
     """Model-state bytes after a step and ledger bytes of one step, with P counted here."""
     config = make_config(stage, None, dtype=dtype)
-    config["zero"]["bucket_mb"] = 0.05
+    config["zero"]["chunk_mb"] = 0.05
     ctx = use_layout(config=config)
     model = build()
     n_params = sum(p.numel() for p in model.parameters())
@@ -267,7 +267,7 @@ def body_overflow(stage: int):
             if stage == 1:  # full gradients until the step: rank 1's inf reaches one shard's owner
                 model.lm_head.weight.grad[0, 0] = float("inf")
             else:  # already reduce-scattered: only rank 1's shard holds it
-                engine.optimizer.grad_shards[0][0] = float("inf")
+                engine.optimizer.residence.grad_shards[0][0] = float("inf")
         before = full_state_dict(model)
         stepped = engine.step()
         after = full_state_dict(model)

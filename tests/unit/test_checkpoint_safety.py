@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def engine_for(d_model: int = 32, n_layers: int = 2, zero: int = 0):
-    use_layout(config={"zero": {"stage": zero, "bucket_mb": 0.016}} if zero else {})
+    use_layout(config={"zero": {"stage": zero, "chunk_mb": 0.016}} if zero else {})
     torch.manual_seed(0)
     model = gpt("tiny", vocab_size=64, max_seq_len=16, d_model=d_model, n_layers=n_layers, n_heads=4)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -230,8 +230,7 @@ def test_sequence_parallelism_layouts_are_checked():
     with pytest.raises(ConfigError, match="parallel.sequence.mode='ring_attention' is not one of"):
         ParallelDims(world_size=2, sequence=2, sequence_mode="ring_attention")
     assert ParallelDims(world_size=8, sequence=2, tensor=2, sequence_mode="ring_qk").data == 2
-    with pytest.raises(ConfigError, match="Gemini with sequence parallelism is not supported yet"):
-        load_config({"parallel": {"sequence": 2}, "gemini": {"enabled": True}})
+    assert load_config({"parallel": {"sequence": 2}, "gemini": {"enabled": True}}).gemini.active  # one optimizer now
 
 
 def test_docs_reference_matches_the_code():
@@ -255,7 +254,16 @@ def test_keep_blocks_reaches_the_layout_from_the_config():
         assert parallel_dims(cfg, tensor["size"]).keep_blocks is True
 
 
-def test_gemini_with_an_expert_axis_is_refused_and_zero_is_not():
-    with pytest.raises(ConfigError, match="gemini with parallel.expert.size=2"):
-        load_config({"parallel": {"data": 4, "expert": 2}, "gemini": {"enabled": True}})
+def test_gemini_and_zero_take_an_expert_axis():
+    assert load_config({"parallel": {"data": 4, "expert": 2}, "gemini": {"enabled": True}}).gemini.active
     assert load_config({"parallel": {"data": 4, "expert": 2}, "zero": {"stage": 3}}).zero.stage == 3
+
+
+def test_the_old_zero_bucket_mb_key_still_works_and_warns_naming_chunk_mb():
+    with pytest.warns(FutureWarning, match="'zero.bucket_mb' is deprecated: use 'zero.chunk_mb'"):
+        cfg = load_config({"zero": {"stage": 2, "bucket_mb": 3.5}})
+    assert cfg.zero.chunk_mb == 3.5
+    with pytest.warns(FutureWarning, match="zero.chunk_mb"):
+        assert load_config(None, ["zero.stage=1", "zero.bucket_mb=2"]).zero.chunk_mb == 2
+    with pytest.raises(ConfigError, match="'zero.bucket_mb' and 'zero.chunk_mb' both given"):
+        load_config({"zero": {"bucket_mb": 1, "chunk_mb": 2}})

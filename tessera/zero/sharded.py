@@ -1,0 +1,380 @@
+"""The sharded optimizer: ZeRO stages 1-3 and Gemini are this one optimizer, told by a policy
+when gradients are reduced and whether parameters are released, and by a residence where a
+shard's parts live and how its chunks are stepped (Rajbhandari et al., 2020).
+
+The model's trainable parameters are packed, in order, into the chunks of a
+:class:`~tessera.memory.chunks.ChunkStore` sharded over the data axis; each parameter becomes a
+view into its chunk. A chunk never spans two parameter groups nor two blocks of the model (so
+released chunks are gathered one block at a time, and a block's gradients are reduced as soon as
+its backward ends); an MoE layer's experts go into chunks of their own, sharded over the ranks
+that hold the same experts (``ctx.expert_replicas``), the rest over every replica. A rank owns
+one contiguous shard of every chunk. The user's optimizer is kept (so learning-rate schedulers
+bound to it still work) but its parameter groups now hold *pieces*: one per parameter that
+overlaps this rank's shard, each carrying its ZeRO slot so that LAMB and LARS compute
+whole-parameter norms (``tessera.optim.norms``).
+
+The gradient pipeline is the same for every residence. With ``reduce_in_backward`` (stages 2
+and 3, Gemini) a hook takes each parameter's gradient as soon as it is accumulated into its
+chunk's bucket; a complete bucket is reduce-scattered asynchronously over the chunk's group
+(two in flight at most, overlapping the rest of the backward) and the residence adds this
+rank's shard of the average to the chunk's gradients. Without it (stage 1) full gradients stay
+until the step and are reduced then. With ``release_parameters`` (stage 3, Gemini) a chunk's
+full buffer exists only while a module uses it (:mod:`tessera.memory.release`).
+
+The residences: :class:`tessera.zero.device.DeviceResidence` keeps every part on the device (the
+fp32 masters and optimizer states optionally in host memory) and steps all pieces at once;
+:class:`tessera.gemini.tiered.TieredResidence` places each chunk's parts on the device, in host
+memory or on disk and steps each chunk where its parts live.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from tessera import comm
+from tessera.context import ParallelContext
+from tessera.context.placement import Placement, ZeroSlot, placement_of, set_placement, update_placement
+from tessera.context.reduction import Reduction, gradient_reduction
+from tessera.errors import ConfigError
+from tessera.memory.chunks import Chunk, ChunkStore, Slot, WholeStateDict
+from tessera.memory.deferred import set_data
+from tessera.memory.release import ReleaseOnUse
+from tessera.optim.wrapping import WrapsOptimizer, optimizer_entries
+from tessera.zero.gradients import GradientPipeline
+from tessera.zero.policy import ZeroPolicy
+
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_MIB = 2**20
+
+#: one parameter's piece on this rank: (the optimizer's parameter, its slot, [start, end) in the shard)
+Piece = tuple[nn.Parameter, Slot, int, int]
+
+
+class Residence:
+    """Where a sharded optimizer's parts live and how its chunks are stepped: what the
+    :class:`ShardedOptimizer` calls, in this order at construction: ``plan``, then (chunks
+    packed, pieces made with ``piece_data``) ``attach``. Defaults: parts that never leave memory."""
+
+    sharded: ShardedOptimizer
+    chunk_type: type[Chunk] = Chunk  # the class of the store's chunks
+
+    def plan(self, sharded: ShardedOptimizer, numels: list[int], labels: list[int], sizes: list[int]) -> int:
+        """Before any chunk takes memory: the chunk capacity in elements for tensors of ``numels``
+        packed under ``labels`` and sharded over groups of ``sizes``; refuses what cannot fit."""
+        raise NotImplementedError
+
+    def piece_data(self, chunk: Chunk, start: int, end: int) -> torch.Tensor:
+        """What the piece of ``chunk``'s shard ``[start, end)`` views between steps."""
+        raise NotImplementedError
+
+    def attach(self) -> None:
+        """The chunks are packed and the optimizer holds the pieces: make the parts."""
+
+    def bucket_opened(self, chunk: Chunk, nbytes: int) -> None:
+        """A gradient bucket and its reduced shard, ``nbytes`` together, are about to be made."""
+
+    def bucket_closed(self, chunk: Chunk, nbytes: int) -> None:
+        """The bucket of ``chunk`` is freed."""
+
+    def add_gradient(self, chunk: Chunk, shard: torch.Tensor) -> None:
+        """This rank's shard of the data-parallel average of ``chunk``'s gradients arrived."""
+        raise NotImplementedError
+
+    def backward_done(self) -> None:
+        """A backward pass ended and every reduction has arrived."""
+
+    def gradients_ready(self) -> None:
+        """After the step's last backward (and stage 1's reduction): the step may read them."""
+
+    def grad_norm(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def scale_gradients(self, factor: torch.Tensor | float) -> None:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        raise NotImplementedError
+
+    def master_shard(self, chunk: Chunk) -> AbstractContextManager[torch.Tensor]:
+        """The fp32 masters of ``chunk``'s shard (to be read only) inside the block."""
+        raise NotImplementedError
+
+    def master_from_params(self, chunk: Chunk) -> None:
+        """New parameter values reached ``chunk``'s shard: its fp32 masters (when apart) follow."""
+
+    def masters_loaded(self) -> None:
+        """New values reached the pieces (a checkpoint): the shards and parameters follow (collective)."""
+
+    def lifted(self) -> AbstractContextManager[None]:
+        """A block in which every chunk may be gathered whatever the budgets (a full state dict)."""
+        return nullcontext()
+
+    def resident(self) -> AbstractContextManager[None]:
+        """A block in which the pieces view the masters and the optimizer's state its states."""
+        return nullcontext()
+
+    def memory_parts(self) -> dict[str, list[torch.Tensor]]:
+        raise NotImplementedError
+
+    def report(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        """Release what is held outside the process (offload files)."""
+
+
+class ShardedOptimizer(GradientPipeline, WrapsOptimizer):
+    """The user's ``optimizer`` over ``model``'s parameters sharded over ``ctx``'s data axis, per
+    ``policy`` and ``residence`` (see the module docstring); ``precision``: the parameters'
+    dtype (``"fp32"``, ``"bf16"``, ``"fp16"``; masters stay fp32); ``overlap_comm``: whether
+    two reductions stay in flight while the backward goes on.
+
+    Behaves like a ``torch.optim.Optimizer`` for the engine and for LR schedulers
+    (``param_groups``, ``state``, ``step``, ``zero_grad``, ``state_dict``); its parameter groups
+    hold this rank's pieces. Call :meth:`reduce_gradients` after the last backward of a step and
+    before clipping or stepping."""
+
+    residence: Residence
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        ctx: ParallelContext,
+        *,
+        policy: ZeroPolicy,
+        residence: Residence,
+        precision: str = "fp32",
+        overlap_comm: bool = True,
+    ) -> None:
+        self.policy = policy
+        self.residence = residence
+        self.ctx = ctx
+        self.group = ctx.replicas
+        self.optimizer = optimizer
+        self.user_optimizer: torch.optim.Optimizer | None = None  # when a residence steps with one of its own
+        self.overlap_comm = overlap_comm
+        self.param_dtype = PARAM_DTYPES[precision]
+        self.element_size = torch.empty((), dtype=self.param_dtype).element_size()
+        entries, group_of = optimizer_entries(model, optimizer)
+        if not entries:
+            raise ConfigError("the sharded optimizer was given an optimizer that holds no parameters")
+        self.params = [p for _, p in entries]
+        # Each gradient is reduced over the group the reduction contract gives it
+        # (tessera.context.reduction: an MoE layer's experts over the ranks that hold the same
+        # experts, the rest over every replica); a chunk's parameters share one reduction.
+        reductions = [gradient_reduction(ctx, p) for p in self.params]
+        kinds: dict[tuple[int, int], int] = {}
+        names: dict[tuple[int, str, int], int] = {}
+        self.labels = [
+            names.setdefault(
+                (g, _unit_of(model, n), kinds.setdefault((id(r.group), r.divide_by), len(kinds))), len(names)
+            )
+            for g, (n, _), r in zip(group_of, entries, reductions)
+        ]
+        numels = [p.numel() for p in self.params]
+        try:
+            self._build(model, entries, group_of, reductions, numels)
+        except BaseException:
+            residence.close()  # nothing it made outside the process (offload files) is left behind
+            raise
+
+    def _build(
+        self,
+        model: nn.Module,
+        entries: list[tuple[str, nn.Parameter]],
+        group_of: list[int],
+        reductions: list[Reduction],
+        numels: list[int],
+    ) -> None:
+        ctx, policy, residence = self.ctx, self.policy, self.residence
+        groups = [r.group for r in reductions]
+        sizes = [g.size for g in groups]
+        self.chunk_numel = residence.plan(self, numels, self.labels, sizes)
+        self._slot_of: dict[int, tuple[Chunk, Slot]] = {}
+
+        def adopt(chunk: Chunk) -> None:
+            for slot in chunk.slots:
+                p = entries[slot.index][1]
+                set_data(p, chunk.view(slot))  # the parameter now lives in its chunk; its old storage goes
+                self._slot_of[id(p)] = (chunk, slot)
+                update_placement(p, storage=self)  # full state dicts gather and load through this
+
+        self.store = ChunkStore(
+            entries, self.group, chunk_numel=self.chunk_numel, dtype=self.param_dtype,
+            keep_full=not policy.release_parameters, bins=self.labels, on_close=adopt, device=ctx.device,
+            groups=groups, chunk_type=residence.chunk_type,
+        )  # fmt: skip
+        self.chunks = self.store.chunks
+        self._chunk_bin = {c.index: group_of[c.slots[0].index] for c in self.chunks}
+        self.reductions = {c.index: reductions[c.slots[0].index] for c in self.chunks}
+        self._install_pieces(entries)
+        residence.attach()
+        self._start_gradients(model)
+        self._release = ReleaseOnUse(model, self.store, self._slot_of) if policy.release_parameters else None
+        # model.state_dict() gathers released chunks and returns copies; model.load_state_dict()
+        # reaches the shards and the masters
+        chunk_of = {key: chunk for key, (chunk, _) in self._slot_of.items()}
+        self._state_dicts = WholeStateDict(model, chunk_of, on_loaded=residence.master_from_params)
+
+    def _install_pieces(self, entries: list[tuple[str, nn.Parameter]]) -> None:
+        """Replace the optimizer's parameters by this rank's pieces of them (state is reset:
+        the sharded optimizer is applied before the first step)."""
+        total = len(entries)
+        groups: list[list[nn.Parameter]] = [[] for _ in self.optimizer.param_groups]
+        self.pieces: list[list[Piece]] = []
+        for chunk in self.chunks:
+            pieces = []
+            for slot, start, end in chunk.shard_pieces():
+                piece = nn.Parameter(self.residence.piece_data(chunk, start, end))
+                # how the parameter is split and which stage owns it, plus the slot of the piece
+                inherited = placement_of(entries[slot.index][1])
+                set_placement(
+                    piece, replace(inherited, mesh=self.ctx, zero=ZeroSlot(slot.index, total, tuple(slot.shape)))
+                )
+                pieces.append((piece, slot, start, end))
+                groups[self._chunk_bin[chunk.index]].append(piece)
+            self.pieces.append(pieces)
+        # A rank whose shard (of a chunk, or of all) is padding still joins the norms'
+        # collectives (LAMB, LARS) through one empty piece.
+        where = self.residence.piece_data(self.chunks[0], 0, 0).device  # where the pieces are stepped
+        self.empty = nn.Parameter(torch.zeros(0, device=where))
+        set_placement(self.empty, Placement(mesh=self.ctx, zero=ZeroSlot(0, total, tuple(entries[0][1].shape))))
+        if not any(groups):
+            groups[0].append(self.empty)
+        # What the gradient norm needs of every parameter (the same on every data rank).
+        self.slot_placements = [placement_of(p) for _, p in entries]
+        self.optimizer.state.clear()
+        for group, params in zip(self.optimizer.param_groups, groups):
+            group["params"] = params
+
+    @property
+    def releases_parameters(self) -> bool:
+        """Whether a parameter's storage is released between uses (ZeRO-3, Gemini): reading it
+        outside a forward pass needs :meth:`gathered`."""
+        return self.policy.release_parameters
+
+    # ---- the optimizer interface (param_groups, state, defaults: the user's) -----------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop every gradient: the model's and the residence's."""
+        for p in self.params:
+            p.grad = None
+        self._has_grad.clear()
+        self.residence.zero_grad()
+
+    def step(self) -> None:
+        self.residence.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard of the optimizer state (pieces in chunk order)."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+        user = self.user_optimizer
+        if user is not None:  # loading made new group dicts: share the user's again (schedulers)
+            for user_group, group in zip(user.param_groups, self.optimizer.param_groups):
+                user_group.update(group)
+            self.optimizer.param_groups = user.param_groups
+
+    def grad_norm(self) -> torch.Tensor:
+        """The 2-norm of the whole model's gradient (after :meth:`reduce_gradients`); every rank
+        makes the same collectives whatever its shard holds."""
+        return self.residence.grad_norm()
+
+    def scale_gradients(self, factor: torch.Tensor | float) -> None:
+        """Multiply every gradient the step will read by ``factor`` (fp16 unscaling, clipping)."""
+        self.residence.scale_gradients(factor)
+
+    def param_group_of(self, chunk: Chunk) -> int:
+        """The index of the optimizer's parameter group that ``chunk``'s parameters belong to."""
+        return self._chunk_bin[chunk.index]
+
+    # ---- whole values, memory ----------------------------------------------------------------
+    def memory_parts(self) -> dict[str, list[torch.Tensor]]:
+        """The model-state tensors this rank holds, by kind (for ``tessera.memory.report``)."""
+        return self.residence.memory_parts()
+
+    def full_precision_weights(self) -> list[tuple[nn.Parameter, torch.Tensor]] | None:
+        """``(parameter, fp32 master)`` for every parameter, each master whole over the data axis
+        and of the parameter's shape on this rank, bitwise what the pieces hold; None in fp32,
+        where the parameter shards are the masters. Collective over the data axis (one
+        all-gather per chunk)."""
+        if self.param_dtype == torch.float32:
+            return None
+        masters: list[tuple[nn.Parameter, torch.Tensor]] = []
+        with torch.no_grad(), self.residence.lifted():
+            for chunk in self.chunks:
+                full = torch.empty(chunk.padded_numel, dtype=torch.float32, device=self.ctx.device)
+                with self.residence.master_shard(chunk) as shard:
+                    comm.all_gather_into(full, shard, chunk.group)
+                for slot in chunk.slots:
+                    masters.append(
+                        (self.params[slot.index], full[slot.offset : slot.offset + slot.numel].view(slot.shape))
+                    )
+        return masters
+
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every parameter readable inside the block (released chunks are gathered, then released
+        again; budgets are lifted for it: a full state is whole on every rank by definition)."""
+        with self.residence.lifted(), self.store.gathered():
+            yield
+
+    def params_loaded(self) -> None:
+        """After new values were written into the (gathered) parameters: take the shards and
+        masters from them."""
+        for chunk in self.chunks:
+            chunk.scatter_from_full()
+            self.residence.master_from_params(chunk)
+
+    def held_pieces(self) -> list[tuple[str, nn.Parameter, nn.Parameter, int, int]]:
+        """``(name, parameter, piece, start, end)`` for each piece this rank steps: ``piece``
+        holds elements ``[start, end)`` of ``parameter``'s (tensor-parallel block, row-major)
+        values, at the masters' precision (inside the residence's :meth:`Residence.resident`)."""
+        out = []
+        for chunk, pieces in zip(self.chunks, self.pieces):
+            lo = chunk.shard_range[0]
+            for piece, slot, a, b in pieces:
+                start = lo + a - slot.offset
+                out.append((slot.name, self.params[slot.index], piece, start, start + (b - a)))
+        return out
+
+    def masters_loaded(self) -> None:
+        self.residence.masters_loaded()
+
+    def resident(self) -> AbstractContextManager[None]:
+        return self.residence.resident()
+
+    def report(self) -> dict[str, Any]:
+        payload = sum(c.numel for c in self.chunks)
+        return {
+            "chunks": len(self.chunks),
+            "chunk_mb": self.chunk_numel * self.element_size / _MIB,
+            "utilisation": payload / max(1, sum(c.padded_numel for c in self.chunks)),
+            **self.residence.report(),
+        }
+
+    def close(self) -> None:
+        self.residence.close()
+
+
+def _unit_of(model: nn.Module, name: str) -> str:
+    """The block a parameter belongs to: the first element of a ``ModuleList``/``Sequential`` on
+    its path (``blocks.3`` for ``blocks.3.attn.qkv.weight``), else the model's child holding it."""
+    parts = name.split(".")
+    module: nn.Module = model
+    for depth, part in enumerate(parts[:-1]):
+        if isinstance(module, nn.ModuleList | nn.Sequential):
+            return ".".join(parts[: depth + 1])
+        module = getattr(module, part)
+    return parts[0] if len(parts) > 1 else ""
