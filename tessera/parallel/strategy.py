@@ -70,8 +70,8 @@ class Strategy:
     # ---- gradients and the step --------------------------------------------------------------
     def reduce_gradients(self) -> None:
         """After the step's last backward: make the gradients of :meth:`gradient_tensors` what
-        single-process training would hold (averaged over the data axis). Default: nothing
-        left to do (reduced during the backward pass)."""
+        single-process training would hold (each reduced as ``tessera.context.reduction``
+        says). Default: nothing left to do (reduced during the backward pass)."""
 
     def gradient_tensors(self) -> list[torch.Tensor]:
         """The tensors whose ``.grad`` the step reads: the engine unscales and clips these."""

@@ -11,6 +11,7 @@ numbers during training would depend on the tests before it.
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 from typing import Any
 
 import torch
@@ -50,19 +51,44 @@ class GoldenRun:
     dtype: str = "fp32"
     accumulation: int = 2
     clip: float = 0.5  # below the gradient norms of these runs: every step is clipped
+    # added with the runs of Gemini, sequence and expert parallelism and recomputation; recorded
+    # in a run's definition only where they differ from these defaults (older files stay valid)
+    sequence: int = 1
+    sequence_mode: str = "ring_qk"
+    expert: int = 1  # > 1: the MoE GPT, its experts over this many ranks
+    gemini: str = ""  # "", or one of GEMINI's placements
+    recompute: str = "none"
 
-    def config(self) -> dict[str, Any]:
+    def config(self, offload_dir: str | None = None) -> dict[str, Any]:
         pipeline = {"size": self.pipeline, "schedule": self.schedule, "microbatches": self.microbatches,
                     "chunks": self.chunks}  # fmt: skip
         tensor = {"size": self.tensor, "mode": self.mode, "depth": self.depth,
                   "sequence_parallel": self.sequence_parallel}  # fmt: skip
-        return {
-            "parallel": {"data": self.data, "pipeline": pipeline, "tensor": tensor},
-            "zero": {"stage": self.zero_stage, "bucket_mb": ZERO_BUCKET_MB, "offload_optimizer": self.offload},
+        config: dict[str, Any] = {
+            "parallel": {
+                "data": self.data,
+                "pipeline": pipeline,
+                "tensor": tensor,
+                "expert": self.expert,
+                "sequence": {"size": self.sequence, "mode": self.sequence_mode},
+            },
+            "zero": {"stage": self.zero_stage, "chunk_mb": ZERO_BUCKET_MB, "offload_optimizer": self.offload},
             "mixed_precision": {"dtype": self.dtype},
             "gradient_accumulation": self.accumulation,
             "clip_grad_norm": self.clip,
+            "activation_checkpoint": {"mode": self.recompute},
         }
+        if self.gemini:
+            disk = GEMINI[self.gemini].get("offload_dir", False)
+            config["gemini"] = {**GEMINI[self.gemini], "offload_dir": offload_dir if disk else None}
+        return config
+
+    def model(self) -> dict[str, Any]:
+        """The GPT's preset and settings (the MoE preset where experts are spread)."""
+        base = {"vocab_size": VOCAB, "max_seq_len": SEQ, "d_model": 32, "n_layers": 2, "n_heads": 4}
+        if self.expert > 1:
+            return {"preset": "tiny-moe", **base, "d_ff": 32, "num_experts": 4}
+        return {"preset": "tiny", **base}
 
     def micro_batch(self) -> int:
         per_step = self.microbatches if self.pipeline > 1 else self.accumulation
@@ -70,9 +96,35 @@ class GoldenRun:
 
     def definition(self) -> dict[str, Any]:
         """What the golden file records about the run (a change to it means regenerating)."""
-        model = {"preset": "tiny", "vocab_size": VOCAB, "max_seq_len": SEQ, "d_model": 32, "n_layers": 2, "n_heads": 4}
-        return {**dataclasses.asdict(self), "steps": STEPS, "global_batch": GLOBAL_BATCH, "model": model,
+        fields = dataclasses.asdict(self)
+        for f in dataclasses.fields(self):
+            if f.name in LATER_FIELDS and fields[f.name] == f.default:
+                del fields[f.name]
+        if self.gemini:
+            fields["gemini"] = {"placement": self.gemini, **GEMINI[self.gemini]}
+        return {**fields, "steps": STEPS, "global_batch": GLOBAL_BATCH, "model": self.model(),
                 "optimizer": "AdamW(lr=3e-3, eps=1e-6)", "dataset": DATASET}  # fmt: skip
+
+
+LATER_FIELDS = {"sequence", "sequence_mode", "expert", "gemini", "recompute"}
+# Gemini's placements: every part on the device; the auto policy with a device budget that sends
+# parts to host memory; and with a host budget too, through the disk tier
+GEMINI: dict[str, dict[str, Any]] = {
+    "static-device": {
+        "placement": "static",
+        "params_offload": 0.0,
+        "optimizer_offload": 0.0,
+        "chunk_mb": ZERO_BUCKET_MB,
+    },
+    "auto-host": {"placement": "auto", "device_budget": 150_000, "chunk_mb": ZERO_BUCKET_MB},
+    "auto-disk": {
+        "placement": "auto",
+        "device_budget": 150_000,
+        "host_budget": 40_000,
+        "chunk_mb": ZERO_BUCKET_MB,
+        "offload_dir": True,
+    },
+}
 
 
 PP = dict(ranks=4, accumulation=1, microbatches=4)
@@ -92,6 +144,15 @@ RUNS: dict[str, GoldenRun] = {
     "zero3-dp4": GoldenRun(4, data=4, zero_stage=3),
     "zero2-offload-dp4": GoldenRun(4, data=4, zero_stage=2, offload="cpu"),
     "bf16-tp2-dp2": GoldenRun(4, data=2, tensor=2, dtype="bf16"),
+    "gemini-static-device-dp4": GoldenRun(4, data=4, gemini="static-device"),
+    "gemini-auto-host-dp4": GoldenRun(4, data=4, gemini="auto-host"),
+    "gemini-auto-disk-dp4": GoldenRun(4, data=4, gemini="auto-disk"),
+    "sp2-ring_qk-dp2": GoldenRun(4, data=2, sequence=2, sequence_mode="ring_qk"),
+    "sp2-ring-dp2": GoldenRun(4, data=2, sequence=2, sequence_mode="ring"),
+    "sp2-all_to_all-dp2": GoldenRun(4, data=2, sequence=2, sequence_mode="all_to_all"),
+    "ep2-dp4": GoldenRun(4, data=4, expert=2),
+    "recompute-full-dp4": GoldenRun(4, data=4, recompute="full"),
+    "recompute-selective-dp4": GoldenRun(4, data=4, recompute="selective"),
 }
 
 
@@ -109,21 +170,23 @@ def train_golden(name: str) -> tuple[str, dict[str, Any]]:
     """Run ``RUNS[name]`` on every rank of the pool; every rank returns its numerics class and
     the numbers it saw."""
     run = RUNS[name]
-    use_layout(data=run.data, pipeline=run.pipeline, tensor=run.tensor, mode=run.mode, depth=run.depth,
-               config=run.config())  # fmt: skip
-    torch.manual_seed(0)
-    model = gpt("tiny", vocab_size=VOCAB, max_seq_len=SEQ, d_model=32, n_layers=2, n_heads=4)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
-    loader = DataLoader(dataset(), batch_size=run.micro_batch())
-    engine, loader, _, _ = tessera.initialize(model, optimizer, NextTokenLoss(), loader)
-    assert loader is not None
-    it = iter(loader)
-    losses, norms = [], []
-    for _ in range(STEPS):
-        losses.append(engine.train_batch(it))
-        assert engine.last_grad_norm is not None, "clipping is on: the engine reports the norm"
-        norms.append(engine.last_grad_norm)
-    weights = weights_fingerprint(full_state_dict(model))
+    with tempfile.TemporaryDirectory() as offload:
+        use_layout(data=run.data, pipeline=run.pipeline, tensor=run.tensor, mode=run.mode, depth=run.depth,
+                   sequence=run.sequence, expert=run.expert, config=run.config(offload))  # fmt: skip
+        torch.manual_seed(0)
+        model = gpt(**run.model())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
+        loader = DataLoader(dataset(), batch_size=run.micro_batch())
+        engine, loader, _, _ = tessera.initialize(model, optimizer, NextTokenLoss(), loader)
+        assert loader is not None
+        it = iter(loader)
+        losses, norms = [], []
+        for _ in range(STEPS):
+            losses.append(engine.train_batch(it))
+            assert engine.last_grad_norm is not None, "clipping is on: the engine reports the norm"
+            norms.append(engine.last_grad_norm)
+        weights = weights_fingerprint(full_state_dict(model))
+        engine.strategy.close()
     return numerics_class(), {"losses": hex_floats(losses), "grad_norms": hex_floats(norms), "final_weights": weights}
 
 
