@@ -205,7 +205,8 @@ class ZeroConfig:
             raise ConfigError(f"{path}stage={self.stage} is not a ZeRO stage; allowed: 0, 1, 2, 3")
         if self.chunk_mb <= 0:
             raise ConfigError(f"{path}chunk_mb={self.chunk_mb} must be positive")
-        # offload without a stage: refused by the layout rules (tessera.context.rules), with the strategy
+        if self.offload_optimizer != "none" and self.stage == 0:  # also a layout rule: for sections checked alone
+            raise ConfigError(f"{path}offload_optimizer={self.offload_optimizer!r} needs stage >= 1")
 
 
 @dataclass(frozen=True)
