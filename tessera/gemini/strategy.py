@@ -26,6 +26,7 @@ from tessera.memory.tiers import Tier
 from tessera.memory.tracer import MemoryTracer, Trace
 from tessera.parallel.strategy import view_of
 from tessera.zero.policy import ZeroPolicy
+from tessera.zero.sharded import ShardedOptimizer
 from tessera.zero.strategy import Sharded
 
 
@@ -36,10 +37,10 @@ class Gemini(Sharded):
         self, module: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext, options: GeminiOptions
     ) -> None:
         self.residence = TieredResidence(options)
-        super().__init__(
-            module, optimizer, ctx, policy=ZeroPolicy.for_stage(3), residence=self.residence,
-            precision=options.precision,
-        )  # fmt: skip
+        policy = ZeroPolicy.for_stage(3)  # parameters released between uses, gradients reduced in the backward
+        sharded = ShardedOptimizer(module, optimizer, ctx, policy=policy, residence=self.residence,
+                                   precision=options.precision)  # fmt: skip
+        super().__init__(module, sharded)
         self.memory = self.residence.memory
         self.name = f"gemini({options.placement})"
         self.tracer = MemoryTracer(module, ctx.device, self._is_model, self._model_device_bytes)

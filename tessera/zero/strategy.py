@@ -14,32 +14,20 @@ from tessera.context import ParallelContext
 from tessera.context.views import HeldTensor
 from tessera.parallel.strategy import Strategy, module_tensors, view_of
 from tessera.zero.device import DeviceResidence
-from tessera.zero.policy import ZeroOptions, ZeroPolicy
-from tessera.zero.sharded import Residence, ShardedOptimizer
+from tessera.zero.policy import ZeroOptions
+from tessera.zero.sharded import ShardedOptimizer
 
 
 class Sharded(Strategy):
-    """``optimizer`` sharded over ``ctx``'s data axis per ``policy`` and ``residence``;
-    ``module``'s parameters move into the chunk store (and to the mixed-precision dtype). Full
-    state dicts gather and load through the parameters' placements, which name the store."""
+    """Training ``module`` with ``sharded``, the sharded optimizer built over it (its parameters
+    moved into the chunk store, and to the mixed-precision dtype). Full state dicts gather and
+    load through the parameters' placements, which name the store."""
 
-    def __init__(
-        self,
-        module: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        ctx: ParallelContext,
-        *,
-        policy: ZeroPolicy,
-        residence: Residence,
-        precision: str = "fp32",
-        overlap_comm: bool = True,
-    ) -> None:
+    def __init__(self, module: nn.Module, sharded: ShardedOptimizer) -> None:
         self.module = self.model = module
-        self.ctx = ctx
-        self.sharded = ShardedOptimizer(
-            module, optimizer, ctx, policy=policy, residence=residence, precision=precision, overlap_comm=overlap_comm
-        )
-        self.optimizer = self.sharded
+        self.ctx = sharded.ctx
+        self.sharded = sharded
+        self.optimizer = sharded
 
     def forward(self, *args: Any, final: bool = True, **kwargs: Any) -> Any:
         self.sharded.set_final(final)
@@ -98,8 +86,8 @@ class Zero(Sharded):
     def __init__(
         self, module: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext, options: ZeroOptions
     ) -> None:
-        super().__init__(
-            module, optimizer, ctx, policy=options.policy, residence=DeviceResidence(options.chunk_mb, options.offload),
-            precision=options.precision, overlap_comm=options.overlap_comm,
-        )  # fmt: skip
+        residence = DeviceResidence(options.chunk_mb, options.offload)
+        sharded = ShardedOptimizer(module, optimizer, ctx, policy=options.policy, residence=residence,
+                                   precision=options.precision, overlap_comm=options.overlap_comm)  # fmt: skip
+        super().__init__(module, sharded)
         self.name = f"zero{options.policy.stage}"
