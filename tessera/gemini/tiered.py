@@ -223,7 +223,7 @@ class TieredResidence(Residency, ShardResidence):
 
     def _step_chunk(self, chunk: TieredChunk) -> None:
         parts = self._parts[chunk.index]
-        where = self.policy.step_tier(parts, self.memory, self._ungathered())
+        where = self.policy.step_tier(parts, self.memory, self._ungathered)  # summed only if asked
         memory = self.memory
         held: list[Part] = []
 

@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tessera.memory.budgets import WorkingSet
 from tessera.memory.manager import ChunkMemory
@@ -56,7 +56,7 @@ class StaticPolicy:
         assert home is not None
         return home
 
-    def step_tier(self, parts: dict[str, Part], memory: ChunkMemory, ungathered: int) -> Tier:
+    def step_tier(self, parts: dict[str, Part], memory: ChunkMemory, ungathered: Callable[[], int]) -> Tier:
         """Where a chunk is stepped: where its optimizer state's home's memory is."""
         states = parts.get("states") or parts.get("master") or parts["params"]
         if states.residence is Residence.DEVICE or self.home(states) not in (Tier.HOST, Tier.DISK):
@@ -102,9 +102,9 @@ class AutoPolicy:
         """Keep the working set's room free in each tier."""
         self.reserve, self.host_reserve = need.device, need.host
 
-    def step_tier(self, parts: dict[str, Part], memory: ChunkMemory, ungathered: int) -> Tier:
+    def step_tier(self, parts: dict[str, Part], memory: ChunkMemory, ungathered: Callable[[], int]) -> Tier:
         """Device when the chunk's optimizer state is there, or when the device has room for
-        all its parts beside every chunk kept gathered (``ungathered``: the bytes the chunks not
+        all its parts beside every chunk kept gathered (``ungathered()``: the bytes the chunks not
         gathered now would take), else host memory.
 
         Device room goes to gathered chunks before optimizer states: a chunk kept gathered
@@ -116,7 +116,7 @@ class AutoPolicy:
             return Tier.DEVICE
         if states.residence is Residence.EMPTY:
             needed = sum(p.nbytes for p in parts.values() if p.residence is not Residence.DEVICE)
-            if memory.ledger.free(Tier.DEVICE) - self.reserve - ungathered >= needed:
+            if memory.ledger.free(Tier.DEVICE) - self.reserve - ungathered() >= needed:
                 return Tier.DEVICE
         return Tier.HOST
 
