@@ -12,21 +12,10 @@ import torch
 from torch import nn
 
 from tessera.memory.manager import ChunkMemory
-from tessera.memory.tiered_chunk import TieredChunk
+from tessera.memory.tiered_chunk import EMPTY_FOR, TieredChunk
 from tessera.memory.tiers import Part, Residence, Tier, TierLedger
 from tessera.optim.streams import StreamStates
 from tessera.zero.sharded import ShardedOptimizer
-
-
-class _EmptyFor(dict[torch.device, torch.Tensor]):
-    """An empty tensor per device: what a piece views between steps."""
-
-    def __missing__(self, device: torch.device) -> torch.Tensor:
-        value = self[device] = torch.empty(0, device=device)
-        return value
-
-
-EMPTY_FOR = _EmptyFor()
 
 
 class Residency:
@@ -43,6 +32,22 @@ class Residency:
     states: StreamStates
     _resident: bool
 
+    def _masters(self, parts: dict[str, Part]) -> Part:
+        """The part the optimizer steps: the fp32 masters, or in fp32 the parameters."""
+        return parts["master" if self.separate_master else "params"]
+
+    def _view_masters(self, index: int, where: Tier, fill: bool = True) -> torch.Tensor:
+        """Chunk ``index``'s masters held in ``where`` and viewed by its pieces (the caller is done)."""
+        master = self.memory.need(self._masters(self._parts[index]), where, fill=fill)
+        for piece, _, a, b in self.sharded.pieces[index]:
+            piece.data = master[a:b]
+        return master
+
+    def _empty_pieces(self, index: int) -> None:
+        """Chunk ``index``'s pieces view nothing again (between steps)."""
+        for piece, _, _, _ in self.sharded.pieces[index]:
+            piece.data, piece.grad = EMPTY_FOR[piece.device], None
+
     @contextmanager
     def resident(self) -> Iterator[None]:
         """Every chunk's masters and optimizer states in host memory, the pieces viewing the
@@ -58,16 +63,11 @@ class Residency:
         try:
             with self.ledger.lifted(), self.memory.untraced():
                 for chunk, parts in zip(self.chunks, self._parts):
-                    master_part = parts["master" if self.separate_master else "params"]
-                    master = self.memory.need(master_part, Tier.HOST)
-                    held.append(master_part)
-                    states = None
+                    self._view_masters(chunk.index, Tier.HOST)
+                    held.append(self._masters(parts))
                     if "states" in parts and parts["states"].residence is not Residence.EMPTY:
                         states = self.memory.need(parts["states"], Tier.HOST)
                         held.append(parts["states"])
-                    for piece, _, a, b in self.sharded.pieces[chunk.index]:
-                        piece.data = master[a:b]
-                    if states is not None:
                         held_states = [(piece, a, b) for piece, _, a, b in self.sharded.pieces[chunk.index]]
                         self.states.bind(held_states, states, chunk.shard_numel)
                 try:
@@ -86,8 +86,8 @@ class Residency:
         memory yet fit in ``room`` bytes together."""
         out: list[list[int]] = [[]]
         used = 0.0
+        kinds = ("params", "master") if self.separate_master else ("params",)
         for chunk, parts in zip(self.chunks, self._parts):
-            kinds = ("params", "master") if self.separate_master else ("params",)
             size = sum(parts[k].nbytes for k in kinds if parts[k].tensor is None)  # in memory already: no room
             if out[-1] and used + size > room:
                 out.append([])
@@ -105,13 +105,10 @@ class Residency:
         with self.memory.untraced():
             try:
                 for i in indices:
-                    master_part = self._parts[i]["master" if self.separate_master else "params"]
-                    where = Tier.DEVICE if master_part.residence is Residence.DEVICE else Tier.HOST
-                    master = self.memory.need(master_part, where, fill=False)
-                    taken.append(master_part)
-                    master.zero_()  # the padding too: every element has a value
-                    for piece, _, a, b in self.sharded.pieces[i]:
-                        piece.data = master[a:b]
+                    part = self._masters(self._parts[i])
+                    where = Tier.DEVICE if part.residence is Residence.DEVICE else Tier.HOST
+                    self._view_masters(i, where, fill=False).zero_()  # the padding too: every element has a value
+                    taken.append(part)
                 chosen = set(indices)
                 slot_of = self.sharded._slot_of
                 yield [p for p in self.sharded.held_pieces() if slot_of[id(p[1])][0].index in chosen]
@@ -119,15 +116,14 @@ class Residency:
                     self._fresh_values(self._parts[i])
             finally:
                 for i in indices:
-                    for piece, _, _, _ in self.sharded.pieces[i]:
-                        piece.data = EMPTY_FOR[piece.device]
+                    self._empty_pieces(i)
                 for part in taken:
                     self.memory.done(part)
 
     def _fresh_values(self, parts: dict[str, Part]) -> None:
         """New values reached a chunk's masters (held in memory): their file is out of date, and
         with bf16/fp16 the parameters follow."""
-        master_part = parts["master" if self.separate_master else "params"]
+        master_part = self._masters(parts)
         self.memory.dirty(master_part)
         if self.separate_master:
             master = self.memory.need(master_part, Tier.HOST)
@@ -140,8 +136,7 @@ class Residency:
     def _take_states(self, chunk: TieredChunk, parts: dict[str, Part]) -> None:
         """After a resident block: the optimizer's states of ``chunk``'s pieces into its states
         part (a load replaced them), its scalars kept; the pieces emptied again."""
-        pieces = self.sharded.pieces[chunk.index]
-        held = [(piece, a, b) for piece, _, a, b in pieces]
+        held = [(piece, a, b) for piece, _, a, b in self.sharded.pieces[chunk.index]]
         if self.streams and any(self.sharded.optimizer.state.get(piece) for piece, _, _ in held):
             part = parts["states"]
             states = self.memory.need(part, Tier.HOST, fill=part.residence is not Residence.EMPTY)
@@ -150,8 +145,7 @@ class Residency:
             self.memory.done(part)
         else:
             self.states.unbind(held, None, chunk.shard_numel)
-        for piece, _, _ in held:
-            piece.data, piece.grad = EMPTY_FOR[piece.device], None
+        self._empty_pieces(chunk.index)
 
     def masters_loaded(self) -> None:
         """New values reached the masters inside :meth:`resident` (a checkpoint loaded); a no-op

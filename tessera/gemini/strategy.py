@@ -24,14 +24,15 @@ from tessera.gemini.options import GeminiOptions
 from tessera.gemini.tiered import TieredResidence
 from tessera.memory.tiers import Tier
 from tessera.memory.tracer import MemoryTracer, Trace
-from tessera.parallel.strategy import view_of
 from tessera.zero.policy import ZeroPolicy
 from tessera.zero.sharded import ShardedOptimizer
-from tessera.zero.strategy import Sharded
+from tessera.zero.strategy import Sharded, held_tensors
 
 
 class Gemini(Sharded):
     """``optimizer`` over chunks of ``module``'s parameters placed over the tiers per ``options``."""
+
+    residence: TieredResidence
 
     def __init__(
         self, module: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext, options: GeminiOptions
@@ -80,7 +81,7 @@ class Gemini(Sharded):
 
     def report(self) -> dict[str, Any]:
         """Chunks, utilisation, tier bytes and the traced activations."""
-        out = self.sharded.report()
+        out = super().report()
         out["activation_bytes"] = self.trace.activation_bytes if self.trace is not None else None
         return out
 
@@ -108,6 +109,4 @@ class Gemini(Sharded):
     @contextmanager
     def _group(self, indices: list[int], others: list[HeldTensor]) -> Iterator[list[HeldTensor]]:
         with self.residence.filling(indices) as pieces:
-            yield [
-                HeldTensor(name, piece, view_of(param).with_flat(a, b)) for name, param, piece, a, b in pieces
-            ] + others
+            yield held_tensors(pieces) + others

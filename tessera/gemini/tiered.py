@@ -27,16 +27,17 @@ from typing import Any
 import torch
 
 from tessera import comm
+from tessera.comm import Pending
 from tessera.gemini.options import GeminiOptions
-from tessera.gemini.residence import EMPTY_FOR, Residency
+from tessera.gemini.residence import Residency
 from tessera.memory.budgets import check_budgets, working_set
-from tessera.memory.chunks import Chunk, ChunkState
+from tessera.memory.chunks import Chunk
 from tessera.memory.disk import DiskIO
 from tessera.memory.manager import ChunkMemory
 from tessera.memory.placement import AutoPolicy, StaticPolicy
 from tessera.memory.report import map_large_allocations, trim_heap
 from tessera.memory.search import search_chunk_numel
-from tessera.memory.tiered_chunk import TieredChunk
+from tessera.memory.tiered_chunk import EMPTY_FOR, TieredChunk
 from tessera.memory.tiers import Part, Residence, Tier, TierLedger
 from tessera.optim.norms import norm_from_slot_squares
 from tessera.optim.streams import StreamStates, step_only
@@ -176,37 +177,23 @@ class TieredResidence(Residency, ShardResidence):
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> None:
-        """Step every chunk where it lives (see the module docstring)."""
-        refreshing: list[tuple[TieredChunk, Any]] = []
+        """Step every chunk where it lives (see the module docstring); a chunk still gathered
+        takes every member's new shard at once, overlapping the next chunks' steps."""
+        refreshing: list[tuple[TieredChunk, Pending]] = []
         for chunk in self.chunks:
             self._step_chunk(chunk)
-            refreshing += self._refresh(chunk)  # overlaps the next chunks' steps
-            self._refreshed(refreshing, keep=2)
-        self._refreshed(refreshing, keep=0)
+            pending = chunk.refresh_full(async_op=True)
+            refreshing += [(chunk, pending)] if pending is not None else []
+            while len(refreshing) > (2 if chunk is not self.chunks[-1] else 0):
+                refreshed, pending = refreshing.pop(0)
+                pending.wait()
+                refreshed.refreshed()
         if self.tight_heap:
             trim_heap()  # the activations freed since the forward go back to the system, not into holes
         self._factors.clear()
         self.sharded.gradients_consumed()
         self._slot_sq.zero_()
         self.steps += 1
-
-    def _refreshed(self, refreshing: list[tuple[TieredChunk, Any]], keep: int) -> None:
-        """Finish the oldest refreshes until at most ``keep`` are in flight."""
-        while len(refreshing) > keep:
-            chunk, pending = refreshing.pop(0)
-            pending.wait()
-            assert chunk.part is not None
-            self.memory.done(chunk.part)
-            self.memory.retain(chunk)  # kept until room is needed
-
-    def _refresh(self, chunk: TieredChunk) -> list[tuple[TieredChunk, Any]]:
-        """A chunk still gathered (kept while the device had room) starts taking every member's
-        new shard, so that the next forward pass needs no gather for it; the caller waits."""
-        if chunk.state is not ChunkState.GATHERED or chunk.part is None:
-            return []
-        self.memory.forget_retained(chunk)  # not let go while its gather is in flight
-        shard = self.memory.need(chunk.part, Tier.DEVICE)
-        return [(chunk, comm.all_gather_into(chunk.full, shard, chunk.group, async_op=True))]
 
     def _ungathered(self) -> int:
         """Device bytes the chunks not gathered now would take gathered."""
@@ -238,12 +225,12 @@ class TieredResidence(Residency, ShardResidence):
             if grad is not None:
                 for factor in self._factors:
                     grad.mul_(factor.to(grad.device))
-            master = need("master" if self.separate_master else "params")
+            master = self._view_masters(chunk.index, where)  # the pieces view the masters and their gradients
+            held.append(self._masters(parts))
             first = parts.get("states") is not None and parts["states"].residence is Residence.EMPTY
             states = need("states", fill=not first) if "states" in parts else None
             pieces = self.sharded.pieces[chunk.index]
-            for piece, slot, a, b in pieces:  # the pieces view the masters and their gradients
-                piece.data = master[a:b]
+            for piece, slot, a, b in pieces:
                 piece.grad = grad[a:b] if grad is not None and self.sharded.has_grad(slot) else None
             held_states = [(piece, a, b) for piece, _, a, b in pieces]
             if states is not None and not first:
@@ -253,9 +240,8 @@ class TieredResidence(Residency, ShardResidence):
             self.states.unbind(held_states, states, chunk.shard_numel)
             if states is not None:
                 memory.dirty(parts["states"])
-            for piece, _, _, _ in pieces:
-                piece.data, piece.grad = EMPTY_FOR[piece.device], None
-            memory.dirty(parts["master" if self.separate_master else "params"])
+            self._empty_pieces(chunk.index)
+            memory.dirty(self._masters(parts))
             if self.separate_master:  # the parameters follow their masters
                 params = memory.need(parts["params"], where, fill=False)
                 held.append(parts["params"])

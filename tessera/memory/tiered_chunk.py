@@ -5,11 +5,24 @@ from __future__ import annotations
 
 import torch
 
+from tessera import comm
+from tessera.comm import Pending
 from tessera.memory.chunks import Chunk, ChunkState, IllegalTransition
 from tessera.memory.manager import ChunkMemory
 from tessera.memory.tiers import BudgetError, Part, Tier
 
-_NOTHING = torch.empty(0)
+
+class _EmptyFor(dict[torch.device, torch.Tensor]):
+    """An empty tensor per device: what a managed shard, or a piece of it, views while its part
+    is not held."""
+
+    def __missing__(self, device: torch.device) -> torch.Tensor:
+        value = self[device] = torch.empty(0, device=device)
+        return value
+
+
+EMPTY_FOR = _EmptyFor()
+_NOTHING = EMPTY_FOR[torch.device("cpu")]
 
 
 class TieredChunk(Chunk):
@@ -90,6 +103,24 @@ class TieredChunk(Chunk):
         shard.copy_(self.full[lo:hi])
         memory.dirty(part)
         memory.done(part)
+
+    def refresh_full(self, async_op: bool = False) -> Pending | None:
+        """A chunk still gathered (kept while the device had room) takes every member's new
+        shard, so that the next forward pass needs no gather for it: the returned gather is in
+        flight, :meth:`refreshed` after it. Nothing for a chunk not gathered."""
+        memory, part = self.memory, self.part
+        if memory is None or part is None or self.state is not ChunkState.GATHERED:
+            return None
+        memory.forget_retained(self)  # not let go while its gather is in flight
+        shard = memory.need(part, Tier.DEVICE)
+        return comm.all_gather_into(self.full, shard, self.group, async_op=True)
+
+    def refreshed(self) -> None:
+        """The gather of :meth:`refresh_full` arrived: the shard's part may go, and the chunk is
+        kept gathered until room is needed."""
+        assert self.memory is not None and self.part is not None
+        self.memory.done(self.part)
+        self.memory.retain(self)
 
     def held_bytes(self) -> int:
         full = self.full.untyped_storage().nbytes()

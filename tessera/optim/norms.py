@@ -178,6 +178,12 @@ def grad_squares(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([n.float() for n in torch._foreach_norm(list(grads), 2.0)]).pow(2)
 
 
+def add_slot_squares(per_slot: torch.Tensor, index: Sequence[int], grads: Sequence[torch.Tensor]) -> None:
+    """Add the squared 2-norm of ``grads[k]`` to ``per_slot[index[k]]``."""
+    if grads:
+        per_slot.index_add_(0, torch.tensor(index, device=per_slot.device), grad_squares(grads).to(per_slot.device))
+
+
 def global_grad_norm(
     params: Iterable[torch.Tensor],
     ctx: ParallelContext | None = None,
@@ -212,10 +218,8 @@ def global_grad_norm(
             raise ValueError("global_grad_norm over ZeRO pieces needs the context they are spread over")
         per_slot = torch.zeros(len(zero_slots), dtype=torch.float32, device=device)
         pieces = [p for p in params if p.grad is not None]
-        if pieces:
-            index = [placement_of(p).zero.index for p in pieces]  # type: ignore[union-attr]
-            squares = grad_squares([p.grad for p in pieces])  # type: ignore[misc]
-            per_slot.index_add_(0, torch.tensor(index, device=device), squares.to(device))
+        index = [placement_of(p).zero.index for p in pieces]  # type: ignore[union-attr]
+        add_slot_squares(per_slot, index, [p.grad for p in pieces])  # type: ignore[misc]
         return norm_from_slot_squares(per_slot, zero_slots, ctx)
     if ctx is None:
         total = torch.zeros((), dtype=torch.float32, device=device)

@@ -23,7 +23,7 @@ from tessera.comm import Pending
 from tessera.memory.chunks import Chunk
 from tessera.memory.host import copy_to_device_, host_copy, wait_for_device
 from tessera.optim.host_adam import HostAdamW
-from tessera.optim.norms import grad_squares, norm_from_slot_squares
+from tessera.optim.norms import global_grad_norm
 from tessera.zero.sharded import Residence, ShardedOptimizer
 
 _MIB = 2**20
@@ -109,13 +109,7 @@ class DeviceResidence(Residence):
 
     def grad_norm(self) -> torch.Tensor:
         """From the pieces' gradients as they are now (after any scaling)."""
-        sharded = self.sharded
-        per_slot = torch.zeros(len(sharded.slot_placements), dtype=torch.float32, device=sharded.ctx.device)
-        held = [(piece, slot) for pieces in sharded.pieces for piece, slot, _, _ in pieces if piece.grad is not None]
-        if held:
-            index = torch.tensor([slot.index for _, slot in held], device=per_slot.device)
-            per_slot.index_add_(0, index, grad_squares([p.grad for p, _ in held]).to(per_slot.device))  # type: ignore[misc]
-        return norm_from_slot_squares(per_slot, sharded.slot_placements, sharded.ctx)
+        return global_grad_norm(self._all_pieces(), self.sharded.ctx, zero_slots=self.sharded.slot_placements)
 
     def scale_gradients(self, factor: torch.Tensor | float) -> None:
         grads = [p.grad for p in self._all_pieces() if p.grad is not None]

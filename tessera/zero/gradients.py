@@ -11,7 +11,7 @@ other expert ranks hold other experts): its sum is divided by all of them.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -22,18 +22,11 @@ from tessera.context import ParallelContext
 from tessera.context.reduction import Reduction
 from tessera.memory.chunks import Chunk, Slot
 from tessera.memory.release import ReleaseOnUse
-from tessera.optim.norms import grad_squares
+from tessera.optim.norms import add_slot_squares
 from tessera.zero.policy import ZeroPolicy
 
-
-class GradientSink(Protocol):
-    """What the pipeline tells the residence (``tessera.zero.sharded.Residence``)."""
-
-    def bucket_opened(self, chunk: Chunk, nbytes: int) -> None: ...
-    def bucket_closed(self, chunk: Chunk, nbytes: int) -> None: ...
-    def add_gradient(self, chunk: Chunk, shard: torch.Tensor) -> None: ...
-    def backward_done(self) -> None: ...
-    def gradients_ready(self) -> None: ...
+if TYPE_CHECKING:
+    from tessera.zero.sharded import Residence
 
 
 class GradientPipeline:
@@ -42,7 +35,7 @@ class GradientPipeline:
 
     ctx: ParallelContext
     policy: ZeroPolicy
-    residence: GradientSink
+    residence: Residence
     params: list[nn.Parameter]
     chunks: list[Chunk]
     pieces: list[list[tuple[nn.Parameter, Slot, int, int]]]
@@ -95,18 +88,23 @@ class GradientPipeline:
         return torch.empty(chunk.padded_numel, dtype=self.param_dtype, device=self.ctx.device)
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        """During backward: ``p``'s gradient goes into its chunk's bucket; a complete bucket is
-        reduce-scattered."""
-        chunk, slot = self._slot_of[id(p)]
+        """During backward: ``p``'s gradient goes into its chunk's bucket."""
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._callback_queued = True
+        self._take(p)
+
+    def _take(self, p: torch.Tensor, drop: bool = True) -> None:
+        """``p``'s gradient goes into its chunk's bucket (and is dropped unless not ``drop``:
+        stage 1 keeps full gradients until the step); a complete bucket is reduce-scattered."""
+        chunk, slot = self._slot_of[id(p)]
         bucket = self._buckets.get(chunk.index)
         if bucket is None:
             bucket = self._buckets[chunk.index] = self._open_bucket(chunk)
         assert p.grad is not None
         bucket[slot.offset : slot.offset + slot.numel].copy_(p.grad.reshape(-1))
-        p.grad = None
+        if drop:
+            p.grad = None
         self._has_grad.add(slot.index)
         written = self._written.setdefault(chunk.index, set())
         written.add(slot.index)
@@ -159,44 +157,31 @@ class GradientPipeline:
         return True
 
     def _finish_backward(self) -> None:
-        """End of a backward pass: reduce chunks some of whose parameters got no gradient, then
-        wait for all reductions."""
+        """End of a backward pass: every reduction made and arrived."""
+        self._flush()
+        self._callback_queued = False
+        self.residence.backward_done()
+
+    def _flush(self) -> None:
+        """Reduce the chunks some of whose parameters got no gradient, then wait for all."""
         for chunk in self.chunks:
             if chunk.index in self._buckets:
                 self._reduce_bucket(chunk)
         self._drain()
-        self._callback_queued = False
-        self.residence.backward_done()
 
     def reduce_gradients(self) -> None:
         """After the step's last backward: the residence holds this rank's shard of the
-        data-parallel average of every gradient. Stage 1 reduces here; the others have reduced
-        during the backward passes."""
+        data-parallel average of every gradient. Stage 1 reduces here, chunk by chunk; the
+        others have reduced during the backward passes."""
         if not self.policy.reduce_in_backward:
-            self._reduce_full_gradients()
-        self.residence.gradients_ready()
-
-    def _reduce_full_gradients(self) -> None:
-        for chunk in self.chunks:
-            bucket = None
-            for slot in chunk.slots:
-                p = self.params[slot.index]
+            for p in self.params:
                 if p.grad is not None:
-                    if bucket is None:
-                        bucket = self._open_bucket(chunk)
-                        bucket.zero_()
-                    bucket[slot.offset : slot.offset + slot.numel].copy_(p.grad.reshape(-1))
-                    self._has_grad.add(slot.index)
-            if bucket is not None:
-                self._start_reduction(chunk, bucket)
-                self._drain(keep=1)  # two buckets at most: overlap without a second full copy
-        self._drain()
+                    self._take(p, drop=False)
+            self._flush()
+        self.residence.gradients_ready()
 
     def slot_squares(self, per_slot: torch.Tensor, chunk: Chunk, grad: torch.Tensor) -> None:
         """Add to ``per_slot`` the squared norms of ``grad`` (``chunk``'s gradient shard) over
         each piece whose parameter has a gradient this step."""
-        pieces = [(slot, a, b) for _, slot, a, b in self.pieces[chunk.index] if slot.index in self._has_grad]
-        if not pieces:
-            return
-        index = torch.tensor([slot.index for slot, _, _ in pieces], device=per_slot.device)
-        per_slot.index_add_(0, index, grad_squares([grad[a:b] for _, a, b in pieces]).to(per_slot.device))
+        pieces = [(slot.index, a, b) for _, slot, a, b in self.pieces[chunk.index] if slot.index in self._has_grad]
+        add_slot_squares(per_slot, [i for i, _, _ in pieces], [grad[a:b] for _, a, b in pieces])

@@ -13,18 +13,11 @@ bound to it still work) but its parameter groups now hold *pieces*: one per para
 overlaps this rank's shard, each carrying its ZeRO slot so that LAMB and LARS compute
 whole-parameter norms (``tessera.optim.norms``).
 
-The gradient pipeline is the same for every residence. With ``reduce_in_backward`` (stages 2
-and 3, Gemini) a hook takes each parameter's gradient as soon as it is accumulated into its
-chunk's bucket; a complete bucket is reduce-scattered asynchronously over the chunk's group
-(two in flight at most, overlapping the rest of the backward) and the residence adds this
-rank's shard of the average to the chunk's gradients. Without it (stage 1) full gradients stay
-until the step and are reduced then. With ``release_parameters`` (stage 3, Gemini) a chunk's
-full buffer exists only while a module uses it (:mod:`tessera.memory.release`).
-
-The residences: :class:`tessera.zero.device.DeviceResidence` keeps every part on the device (the
-fp32 masters and optimizer states optionally in host memory) and steps all pieces at once;
-:class:`tessera.gemini.tiered.TieredResidence` places each chunk's parts on the device, in host
-memory or on disk and steps each chunk where its parts live.
+The gradients go through :mod:`tessera.zero.gradients`, the same for every residence; with
+``release_parameters`` (stage 3, Gemini) a chunk's full buffer exists only while a module uses
+it (:mod:`tessera.memory.release`). The residences: :mod:`tessera.zero.device` (every part on the
+device, or masters and states in host memory) and :mod:`tessera.gemini.tiered` (each chunk's
+parts on the device, in host memory or on disk, stepped where they live).
 """
 
 from __future__ import annotations
@@ -37,7 +30,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from tessera import comm
 from tessera.context import ParallelContext
 from tessera.context.placement import Placement, ZeroSlot, placement_of, set_placement, update_placement
 from tessera.context.reduction import Reduction, gradient_reduction
@@ -286,15 +278,6 @@ class ShardedOptimizer(GradientPipeline, WrapsOptimizer):
                 user_group.update(group)
             self.optimizer.param_groups = user.param_groups
 
-    def grad_norm(self) -> torch.Tensor:
-        """The 2-norm of the whole model's gradient (after :meth:`reduce_gradients`); every rank
-        makes the same collectives whatever its shard holds."""
-        return self.residence.grad_norm()
-
-    def scale_gradients(self, factor: torch.Tensor | float) -> None:
-        """Multiply every gradient the step will read by ``factor`` (fp16 unscaling, clipping)."""
-        self.residence.scale_gradients(factor)
-
     def param_group_of(self, chunk: Chunk) -> int:
         """The index of the optimizer's parameter group that ``chunk``'s parameters belong to."""
         return self._chunk_bin[chunk.index]
@@ -303,25 +286,6 @@ class ShardedOptimizer(GradientPipeline, WrapsOptimizer):
     def memory_parts(self) -> dict[str, list[torch.Tensor]]:
         """The model-state tensors this rank holds, by kind (for ``tessera.memory.report``)."""
         return self.residence.memory_parts()
-
-    def full_precision_weights(self) -> list[tuple[nn.Parameter, torch.Tensor]] | None:
-        """``(parameter, fp32 master)`` for every parameter, each master whole over the data axis
-        and of the parameter's shape on this rank, bitwise what the pieces hold; None in fp32,
-        where the parameter shards are the masters. Collective over the data axis (one
-        all-gather per chunk)."""
-        if self.param_dtype == torch.float32:
-            return None
-        masters: list[tuple[nn.Parameter, torch.Tensor]] = []
-        with torch.no_grad(), self.residence.lifted():
-            for chunk in self.chunks:
-                full = torch.empty(chunk.padded_numel, dtype=torch.float32, device=self.ctx.device)
-                with self.residence.master_shard(chunk) as shard:
-                    comm.all_gather_into(full, shard, chunk.group)
-                for slot in chunk.slots:
-                    masters.append(
-                        (self.params[slot.index], full[slot.offset : slot.offset + slot.numel].view(slot.shape))
-                    )
-        return masters
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
@@ -348,24 +312,6 @@ class ShardedOptimizer(GradientPipeline, WrapsOptimizer):
                 start = lo + a - slot.offset
                 out.append((slot.name, self.params[slot.index], piece, start, start + (b - a)))
         return out
-
-    def masters_loaded(self) -> None:
-        self.residence.masters_loaded()
-
-    def resident(self) -> AbstractContextManager[None]:
-        return self.residence.resident()
-
-    def report(self) -> dict[str, Any]:
-        payload = sum(c.numel for c in self.chunks)
-        return {
-            "chunks": len(self.chunks),
-            "chunk_mb": self.chunk_numel * self.element_size / _MIB,
-            "utilisation": payload / max(1, sum(c.padded_numel for c in self.chunks)),
-            **self.residence.report(),
-        }
-
-    def close(self) -> None:
-        self.residence.close()
 
 
 def _unit_of(model: nn.Module, name: str) -> str:

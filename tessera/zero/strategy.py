@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tessera import comm
 from tessera.context import ParallelContext
 from tessera.context.views import HeldTensor
 from tessera.parallel.strategy import Strategy, module_tensors, view_of
@@ -26,57 +27,72 @@ class Sharded(Strategy):
     def __init__(self, module: nn.Module, sharded: ShardedOptimizer) -> None:
         self.module = self.model = module
         self.ctx = sharded.ctx
-        self.sharded = sharded
-        self.optimizer = sharded
+        self.optimizer = self.sharded = sharded  # steps and zeroes gradients for the engine
+        self.residence = sharded.residence
 
     def forward(self, *args: Any, final: bool = True, **kwargs: Any) -> Any:
         self.sharded.set_final(final)
         return self.model(*args, **kwargs)
 
-    # ---- gradients and the step --------------------------------------------------------------
     def reduce_gradients(self) -> None:
         self.sharded.reduce_gradients()  # each rank now holds the average of its shard
 
     def grad_norm(self) -> torch.Tensor:
-        return self.sharded.grad_norm()
+        return self.residence.grad_norm()  # every rank makes the same collectives whatever its shard
 
     def scale_gradients(self, factor: torch.Tensor | float) -> None:
-        self.sharded.scale_gradients(factor)
+        self.residence.scale_gradients(factor)
 
-    def step(self) -> None:
-        self.sharded.step()
-
-    def zero_grad(self) -> None:
-        self.sharded.zero_grad()
-
-    # ---- memory and state --------------------------------------------------------------------
     def full_precision_weights(self) -> list[tuple[nn.Parameter, torch.Tensor]] | None:
-        return self.sharded.full_precision_weights()  # the fp32 masters (bf16/fp16), gathered over data
+        """The fp32 masters, bitwise what the pieces hold, each gathered whole over the data axis
+        (one all-gather per chunk); None in fp32, where the parameter shards are the masters."""
+        sharded = self.sharded
+        if sharded.param_dtype == torch.float32:
+            return None
+        masters: list[tuple[nn.Parameter, torch.Tensor]] = []
+        with torch.no_grad(), self.residence.lifted():
+            for chunk in sharded.chunks:
+                full = torch.empty(chunk.padded_numel, dtype=torch.float32, device=self.ctx.device)
+                with self.residence.master_shard(chunk) as shard:
+                    comm.all_gather_into(full, shard, chunk.group)
+                masters += [
+                    (sharded.params[s.index], full[s.offset : s.offset + s.numel].view(s.shape)) for s in chunk.slots
+                ]
+        return masters
 
     def report(self) -> dict[str, Any]:
-        return self.sharded.report()
+        chunks = self.sharded.chunks
+        return {
+            "chunks": len(chunks),
+            "chunk_mb": self.sharded.chunk_numel * self.sharded.element_size / 2**20,
+            "utilisation": sum(c.numel for c in chunks) / max(1, sum(c.padded_numel for c in chunks)),
+            **self.residence.report(),
+        }
 
     def close(self) -> None:
-        self.sharded.close()
+        self.residence.close()
 
+    # ---- checkpoints ---------------------------------------------------------------------------
     def checkpoint_session(self) -> AbstractContextManager[None]:
-        return self.sharded.resident()
+        return self.residence.resident()
 
     def checkpoint_tensors(self) -> list[HeldTensor]:
         """This rank's pieces of the parameters the sharded optimizer steps (flat ranges of
         their blocks, fp32 masters), plus whatever it does not shard (frozen parameters, buffers)."""
-        held = [
-            HeldTensor(name, piece, view_of(param).with_flat(a, b))
-            for name, param, piece, a, b in self.sharded.held_pieces()
-        ]
-        return held + self._unsharded()
+        return held_tensors(self.sharded.held_pieces()) + self._unsharded()
 
     def _unsharded(self) -> list[HeldTensor]:
         stepped = {id(p) for p in self.sharded.params}
         return module_tensors(self.module, lambda p: id(p) not in stepped and self.holds(p))
 
     def checkpoint_loaded(self) -> None:
-        self.sharded.masters_loaded()
+        self.residence.masters_loaded()
+
+
+def held_tensors(pieces: list[tuple[str, nn.Parameter, nn.Parameter, int, int]]) -> list[HeldTensor]:
+    """Pieces (``ShardedOptimizer.held_pieces``) as a checkpoint's tensors: flat ranges of their
+    parameters' blocks."""
+    return [HeldTensor(name, piece, view_of(param).with_flat(a, b)) for name, param, piece, a, b in pieces]
 
 
 class Zero(Sharded):
