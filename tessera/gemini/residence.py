@@ -31,6 +31,7 @@ class Residency:
     _parts: list[dict[str, Part]]
     states: StreamStates
     _resident: bool
+    policy_host_reserve: int
 
     def _masters(self, parts: dict[str, Part]) -> Part:
         """The part the optimizer steps: the fp32 masters, or in fp32 the parameters."""
@@ -81,9 +82,11 @@ class Residency:
             self._resident = False
         self.memory.rebalance()
 
-    def groups(self, room: float) -> list[list[int]]:
+    def groups(self) -> list[list[int]]:
         """Chunk indices in runs whose masters (and, with bf16/fp16, parameters) that are not in
-        memory yet fit in ``room`` bytes together."""
+        memory yet fit together in the host room left, less what parts passing through need."""
+        unbounded = self.ledger.budget[Tier.HOST] is None
+        room = float("inf") if unbounded else max(1.0, self.ledger.free(Tier.HOST) - self.policy_host_reserve)
         out: list[list[int]] = [[]]
         used = 0.0
         kinds = ("params", "master") if self.separate_master else ("params",)

@@ -22,7 +22,6 @@ from tessera.context.views import HeldTensor
 from tessera.errors import TesseraError
 from tessera.gemini.options import GeminiOptions
 from tessera.gemini.tiered import TieredResidence
-from tessera.memory.tiers import Tier
 from tessera.memory.tracer import MemoryTracer, Trace
 from tessera.zero.policy import ZeroPolicy
 from tessera.zero.sharded import ShardedOptimizer
@@ -44,40 +43,25 @@ class Gemini(Sharded):
         super().__init__(module, sharded)
         self.memory = self.residence.memory
         self.name = f"gemini({options.placement})"
-        self.tracer = MemoryTracer(module, ctx.device, self._is_model, self._model_device_bytes)
+        self.tracer = MemoryTracer(module, self.memory, sharded.chunks)
         self.trace: Trace | None = None
         self.groups_planned = 0  # chunk groups of the last checkpoint_groups() (a deferred model's filling)
 
-    def _is_model(self, tensor: torch.Tensor) -> bool:
-        ptr = tensor.untyped_storage().data_ptr()
-        return any(ptr == c.full.untyped_storage().data_ptr() for c in self.sharded.chunks) or isinstance(
-            tensor, nn.Parameter
-        )
-
-    def _model_device_bytes(self) -> int:
-        return self.residence.ledger.held[Tier.DEVICE]
-
     # ---- the warm-up -------------------------------------------------------------------------
     def forward(self, *args: Any, final: bool = True, **kwargs: Any) -> Any:
-        self.sharded.set_final(final)
+        self.sharded.final = final
         self.memory.retaining = torch.is_grad_enabled()  # keep chunks gathered for the backward if room
-        if self.trace is None and torch.is_grad_enabled():
-            if self.memory.recording is None:  # the warm-up step begins
-                self.memory.start_trace()
+        if self.trace is None and torch.is_grad_enabled():  # the warm-up step
             with self.tracer.tracing():
                 return self.model(*args, **kwargs)
         return self.model(*args, **kwargs)
 
     def step(self) -> None:
+        """Step; after the warm-up step, the policy keeps device room for the traced activations."""
         self.sharded.step()
         if self.trace is None:
-            self._end_warm_up()
-
-    def _end_warm_up(self) -> None:
-        """The warm-up step is over: keep its trace; the policy keeps device room for the traced
-        activations from now on."""
-        self.trace = self.tracer.finish(self.memory.stop_trace())
-        self.residence.warmed_up(self.trace.activation_bytes)
+            self.trace = self.tracer.finish()
+            self.residence.warmed_up(self.trace.activation_bytes)
 
     def report(self) -> dict[str, Any]:
         """Chunks, utilisation, tier bytes and the traced activations."""
@@ -96,12 +80,7 @@ class Gemini(Sharded):
     def checkpoint_groups(self) -> list[AbstractContextManager[list[HeldTensor]]]:
         """Chunks in groups whose parts not yet in memory fit in the host room left (less what
         parts passing through need), so that a deferred model is never whole on this rank."""
-        residence = self.residence
-        host = residence.ledger.budget[Tier.HOST]
-        room = (
-            float("inf") if host is None else max(1.0, residence.ledger.free(Tier.HOST) - residence.policy_host_reserve)
-        )
-        groups = residence.groups(room)
+        groups = self.residence.groups()
         self.groups_planned = len(groups)
         others = self._unsharded()
         return [self._group(indices, others if n == 0 else []) for n, indices in enumerate(groups)]

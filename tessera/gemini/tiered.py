@@ -35,7 +35,7 @@ from tessera.memory.chunks import Chunk
 from tessera.memory.disk import DiskIO
 from tessera.memory.manager import ChunkMemory
 from tessera.memory.placement import AutoPolicy, StaticPolicy
-from tessera.memory.report import map_large_allocations, trim_heap
+from tessera.memory.report import map_large_allocations, parts_by_kind, tiered_report, trim_heap
 from tessera.memory.search import search_chunk_numel
 from tessera.memory.tiered_chunk import EMPTY_FOR, TieredChunk
 from tessera.memory.tiers import Part, Residence, Tier, TierLedger
@@ -43,8 +43,6 @@ from tessera.optim.norms import norm_from_slot_squares
 from tessera.optim.streams import StreamStates, step_only
 from tessera.zero.sharded import Residence as ShardResidence
 from tessera.zero.sharded import ShardedOptimizer
-
-_MIB = 2**20
 
 
 class TieredResidence(Residency, ShardResidence):
@@ -88,7 +86,7 @@ class TieredResidence(Residency, ShardResidence):
         if options.chunk_mb is None:
             chunk_numel = search_chunk_numel(numels, labels, sharded.group.size).capacity
         else:
-            chunk_numel = max(1, int(options.chunk_mb * _MIB) // sharded.element_size)
+            chunk_numel = sharded.elements_in(options.chunk_mb)
         fp32 = len(self.streams) + int(self.separate_master) + 1  # states, masters, gradients
         need = working_set(numels, labels, sizes, chunk_numel, sharded.element_size, fp32, disk is not None)
         check_budgets(need, options.device_budget, options.host_budget, disk)
@@ -121,10 +119,6 @@ class TieredResidence(Residency, ShardResidence):
 
     def piece_data(self, chunk: Chunk, start: int, end: int) -> torch.Tensor:
         return EMPTY_FOR[self.sharded.ctx.device]  # the pieces view their masters while stepped
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self.sharded.optimizer
 
     # ---- gradients ---------------------------------------------------------------------------
     def bucket_opened(self, chunk: Chunk, nbytes: int) -> None:
@@ -236,7 +230,7 @@ class TieredResidence(Residency, ShardResidence):
             if states is not None and not first:
                 self.states.bind(held_states, states, chunk.shard_numel)
             group = self.sharded.param_group_of(chunk)
-            step_only(self.optimizer, group, [piece for piece, _, _, _ in pieces], self.sharded.empty)
+            step_only(self.sharded.optimizer, group, [piece for piece, _, _, _ in pieces], self.sharded.empty)
             self.states.unbind(held_states, states, chunk.shard_numel)
             if states is not None:
                 memory.dirty(parts["states"])
@@ -278,29 +272,10 @@ class TieredResidence(Residency, ShardResidence):
             self.memory.done(part)
 
     def memory_parts(self) -> dict[str, list[torch.Tensor]]:
-        """The model-state tensors held in memory now (parts on disk are not), by kind."""
-        kinds = {
-            "params": "parameters",
-            "grads": "gradients",
-            "master": "optimizer_states",
-            "states": "optimizer_states",
-        }
-        out: dict[str, list[torch.Tensor]] = {"parameters": [], "gradients": [], "optimizer_states": []}
-        for parts in self._parts:
-            for part in parts.values():
-                if part.tensor is not None:
-                    out[kinds[part.kind]].append(part.tensor)
-        return out
+        return parts_by_kind(self.memory.parts)
 
     def report(self) -> dict[str, Any]:
-        """The policy and the bytes of each tier (now and at their peak)."""
-        disk = self.memory.disk
-        return {
-            "policy": self.policy.name,
-            **self.ledger.summary(),
-            "disk_written_bytes": disk.bytes_written if disk else 0,
-            "disk_read_bytes": disk.bytes_read if disk else 0,
-        }
+        return tiered_report(self.memory)
 
     def close(self) -> None:
         """Wait for disk transfers and remove this rank's offload files (also when the optimizer

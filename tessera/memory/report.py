@@ -5,10 +5,14 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from tessera.memory.manager import ChunkMemory
+    from tessera.memory.tiers import Part
 
 
 def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -71,6 +75,36 @@ def model_state_bytes(
 
 
 _STATUS = Path("/proc/self/status")
+
+
+def tiered_report(memory: ChunkMemory) -> dict[str, Any]:
+    """The memory manager's policy, the bytes of each tier (now and at their peak) and the
+    disk's traffic."""
+    disk = memory.disk
+    return {
+        "policy": memory.policy.name,
+        **memory.ledger.summary(),
+        "disk_written_bytes": disk.bytes_written if disk else 0,
+        "disk_read_bytes": disk.bytes_read if disk else 0,
+    }
+
+
+def parts_by_kind(parts: Iterable[Part]) -> dict[str, list[torch.Tensor]]:
+    """The tensors of ``parts`` held in memory now (those on disk are not), by what
+    :func:`model_state_bytes` counts them as."""
+    out: dict[str, list[torch.Tensor]] = {"parameters": [], "gradients": [], "optimizer_states": []}
+    for part in parts:
+        if part.tensor is not None:
+            out[_REPORTED_AS[part.kind]].append(part.tensor)
+    return out
+
+
+_REPORTED_AS = {
+    "params": "parameters",
+    "grads": "gradients",
+    "master": "optimizer_states",
+    "states": "optimizer_states",
+}
 
 
 def peak_rss_bytes() -> int | None:

@@ -10,13 +10,17 @@ The chunk order comes from the memory manager (every use of a part, in order).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+from tessera.memory.chunks import Chunk
+from tessera.memory.manager import ChunkMemory
+from tessera.memory.tiers import Tier
 
 
 @dataclass(slots=True)
@@ -47,29 +51,28 @@ class Trace:
 
 
 class MemoryTracer:
-    """Traces the passes run inside :meth:`tracing` (see the module docstring).
-    ``is_model(t)``: whether a saved tensor is model state; ``model_bytes()``: the device bytes
-    of model state counted elsewhere (subtracted from the allocator's figure)."""
+    """Traces the passes run inside :meth:`tracing` (see the module docstring) over ``memory``,
+    whose ``chunks`` hold ``model``'s parameters: a saved tensor of their gathered buffers (or a
+    parameter) is model state, and so are the device bytes the memory's ledger holds."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        device: torch.device,
-        is_model: Callable[[torch.Tensor], bool],
-        model_bytes: Callable[[], int],
-    ) -> None:
-        self.model = model
-        self.device = device
-        self.is_model = is_model
-        self.model_bytes = model_bytes
+    def __init__(self, model: nn.Module, memory: ChunkMemory, chunks: Sequence[Chunk]) -> None:
+        self.memory = memory
+        self.chunks = chunks
         self.trace = Trace()
         self._saved = 0
         self._seen: set[int] = set()
         self._names = {id(m): name or type(model).__name__ for name, m in model.named_modules()}
 
+    def is_model(self, tensor: torch.Tensor) -> bool:
+        ptr = tensor.untyped_storage().data_ptr()
+        return isinstance(tensor, nn.Parameter) or any(ptr == c.full.untyped_storage().data_ptr() for c in self.chunks)
+
     @contextmanager
     def tracing(self) -> Iterator[None]:
-        """Trace the forward passes (and the saved tensors they keep) run inside the block."""
+        """Trace the forward passes (and the saved tensors they keep) run inside the block, and
+        from the first such block on, the memory's uses."""
+        if self.memory.recording is None:
+            self.memory.start_trace()
         self._saved = 0
         self._seen.clear()
         handle = nn.modules.module.register_module_forward_pre_hook(self._before_call)
@@ -94,14 +97,15 @@ class MemoryTracer:
         if name is None:  # not one of the model's modules
             return
         non_model = None
-        if self.device.type == "cuda":
-            non_model = max(0, torch.cuda.memory_allocated(self.device) - self.model_bytes())
+        device = self.memory.device
+        if device.type == "cuda":
+            non_model = max(0, torch.cuda.memory_allocated(device) - self.memory.ledger.held[Tier.DEVICE])
             self.trace.peak_non_model_bytes = max(self.trace.peak_non_model_bytes or 0, non_model)
         self.trace.calls.append(ModuleCall(name, self._saved, non_model))
 
-    def finish(self, uses: list[str]) -> Trace:
+    def finish(self) -> Trace:
         """The trace, with the order of uses the memory manager recorded."""
-        self.trace.uses = uses
+        self.trace.uses = self.memory.stop_trace()
         return self.trace
 
 

@@ -106,6 +106,7 @@ class HostAdamW(torch.optim.AdamW):
             foreach = not fused
         self._coalesce = coalesce
         self._buckets: list[list[_Bucket]] = []  # per param group
+        self._user: torch.optim.Optimizer | None = None  # whose group dicts these are (taking_over)
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, foreach=foreach, fused=fused)
 
     # ---- buffers ------------------------------------------------------------------------------
@@ -118,6 +119,7 @@ class HostAdamW(torch.optim.AdamW):
         for host_group, user_group in zip(host.param_groups, user.param_groups):
             user_group.update(fused=host_group["fused"], foreach=host_group["foreach"], params=host_group["params"])
         host.param_groups = user.param_groups
+        host._user = user
         return host
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -168,6 +170,10 @@ class HostAdamW(torch.optim.AdamW):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load an AdamW state dict (this class's or ``torch.optim.AdamW``'s) into the flat buffers."""
         super().load_state_dict(state_dict)
+        if self._user is not None:  # loading made new group dicts: share the user's again (schedulers)
+            for user_group, group in zip(self._user.param_groups, self.param_groups):
+                user_group.update(group)
+            self.param_groups = self._user.param_groups
         for group in self.param_groups:  # this optimizer's kernel, whatever the saved one used
             group["fused"], group["foreach"] = self.defaults["fused"], self.defaults["foreach"]
         with torch.no_grad():

@@ -26,8 +26,6 @@ from tessera.optim.host_adam import HostAdamW
 from tessera.optim.norms import global_grad_norm
 from tessera.zero.sharded import Residence, ShardedOptimizer
 
-_MIB = 2**20
-
 
 class DeviceResidence(Residence):
     """Shards on the device; masters and optimizer states there too, or in host memory with
@@ -43,7 +41,7 @@ class DeviceResidence(Residence):
         self.master_device = torch.device("cpu") if self.offload == "cpu" else sharded.ctx.device
         self.masters: dict[int, torch.Tensor] = {}  # chunk index -> its fp32 master shard (made on first use)
         self.grad_shards: dict[int, torch.Tensor] = {}  # chunk index -> its reduced gradient shard
-        return max(1, int(self.chunk_mb * _MIB) // sharded.element_size)
+        return sharded.elements_in(self.chunk_mb)
 
     def _make_master(self, chunk: Chunk) -> torch.Tensor:
         if self.sharded.param_dtype == torch.float32 and self.master_device == chunk.shard.device:
@@ -63,7 +61,6 @@ class DeviceResidence(Residence):
         sharded = self.sharded
         if self.offload == "cpu" and type(sharded.optimizer) is torch.optim.AdamW:
             # flat host buffers (the pieces may move into them), fused CPU kernel
-            sharded.user_optimizer = sharded.optimizer
             sharded.optimizer = HostAdamW.taking_over(sharded.optimizer)
         # pieces that are not the parameter shard itself: copied into it after each step
         self.separate = any(

@@ -11,7 +11,7 @@ other expert ranks hold other experts): its sum is divided by all of them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,8 +25,26 @@ from tessera.memory.release import ReleaseOnUse
 from tessera.optim.norms import add_slot_squares
 from tessera.zero.policy import ZeroPolicy
 
-if TYPE_CHECKING:
-    from tessera.zero.sharded import Residence
+
+class GradientSink:
+    """What the pipeline tells the residence (the gradient side of
+    ``tessera.zero.sharded.Residence``)."""
+
+    def bucket_opened(self, chunk: Chunk, nbytes: int) -> None:
+        """A gradient bucket and its reduced shard, ``nbytes`` together, are about to be made."""
+
+    def bucket_closed(self, chunk: Chunk, nbytes: int) -> None:
+        """The bucket of ``chunk`` is freed."""
+
+    def add_gradient(self, chunk: Chunk, shard: torch.Tensor) -> None:
+        """This rank's shard of the data-parallel average of ``chunk``'s gradients arrived."""
+        raise NotImplementedError
+
+    def backward_done(self) -> None:
+        """A backward pass ended and every reduction has arrived."""
+
+    def gradients_ready(self) -> None:
+        """After the step's last backward (and stage 1's reduction): the step may read them."""
 
 
 class GradientPipeline:
@@ -35,7 +53,7 @@ class GradientPipeline:
 
     ctx: ParallelContext
     policy: ZeroPolicy
-    residence: Residence
+    residence: GradientSink
     params: list[nn.Parameter]
     chunks: list[Chunk]
     pieces: list[list[tuple[nn.Parameter, Slot, int, int]]]
@@ -48,21 +66,13 @@ class GradientPipeline:
 
     def _start_gradients(self, model: nn.Module) -> None:
         self._has_grad: set[int] = set()  # slot indices that received a gradient this step
-        self._final = True  # whether the backward that follows completes the step's gradients
+        self.final = True  # whether the backward that follows completes the step's gradients (the strategy sets it)
         self._in_flight: list[tuple[Chunk, Pending, torch.Tensor]] = []
         self._buckets: dict[int, torch.Tensor] = {}  # chunk index -> gradients being collected
         self._written: dict[int, set[int]] = {}  # chunk index -> slots whose gradient is in its bucket
         self._callback_queued = False
         if self.policy.reduce_in_backward:  # the gradient hooks go on when the first pass begins
             self._hooks_pending = model.register_forward_pre_hook(self._install_grad_hooks)
-
-    def set_final(self, final: bool) -> None:
-        """Whether the backward pass that follows completes the step's gradients."""
-        self._final = final
-
-    @property
-    def final(self) -> bool:
-        return self._final
 
     def gradients_consumed(self) -> None:
         """The step has used this step's gradients (which slots had one is forgotten)."""

@@ -38,20 +38,20 @@ from tessera.memory.chunks import Chunk, ChunkStore, Slot, WholeStateDict
 from tessera.memory.deferred import set_data
 from tessera.memory.release import ReleaseOnUse
 from tessera.optim.wrapping import WrapsOptimizer, optimizer_entries
-from tessera.zero.gradients import GradientPipeline
+from tessera.zero.gradients import GradientPipeline, GradientSink
 from tessera.zero.policy import ZeroPolicy
 
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_MIB = 2**20
 
 #: one parameter's piece on this rank: (the optimizer's parameter, its slot, [start, end) in the shard)
 Piece = tuple[nn.Parameter, Slot, int, int]
 
 
-class Residence:
+class Residence(GradientSink):
     """Where a sharded optimizer's parts live and how its chunks are stepped: what the
     :class:`ShardedOptimizer` calls, in this order at construction: ``plan``, then (chunks
-    packed, pieces made with ``piece_data``) ``attach``. Defaults: parts that never leave memory."""
+    packed, pieces made with ``piece_data``) ``attach``; its gradients arrive as
+    :class:`~tessera.zero.gradients.GradientSink` says. Defaults: parts that never leave memory."""
 
     sharded: ShardedOptimizer
     chunk_type: type[Chunk] = Chunk  # the class of the store's chunks
@@ -67,22 +67,6 @@ class Residence:
 
     def attach(self) -> None:
         """The chunks are packed and the optimizer holds the pieces: make the parts."""
-
-    def bucket_opened(self, chunk: Chunk, nbytes: int) -> None:
-        """A gradient bucket and its reduced shard, ``nbytes`` together, are about to be made."""
-
-    def bucket_closed(self, chunk: Chunk, nbytes: int) -> None:
-        """The bucket of ``chunk`` is freed."""
-
-    def add_gradient(self, chunk: Chunk, shard: torch.Tensor) -> None:
-        """This rank's shard of the data-parallel average of ``chunk``'s gradients arrived."""
-        raise NotImplementedError
-
-    def backward_done(self) -> None:
-        """A backward pass ended and every reduction has arrived."""
-
-    def gradients_ready(self) -> None:
-        """After the step's last backward (and stage 1's reduction): the step may read them."""
 
     def grad_norm(self) -> torch.Tensor:
         raise NotImplementedError
@@ -153,7 +137,6 @@ class ShardedOptimizer(GradientPipeline, WrapsOptimizer):
         self.ctx = ctx
         self.group = ctx.replicas
         self.optimizer = optimizer
-        self.user_optimizer: torch.optim.Optimizer | None = None  # when a residence steps with one of its own
         self.overlap_comm = overlap_comm
         self.param_dtype = PARAM_DTYPES[precision]
         self.element_size = torch.empty((), dtype=self.param_dtype).element_size()
@@ -272,11 +255,10 @@ class ShardedOptimizer(GradientPipeline, WrapsOptimizer):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
-        user = self.user_optimizer
-        if user is not None:  # loading made new group dicts: share the user's again (schedulers)
-            for user_group, group in zip(user.param_groups, self.optimizer.param_groups):
-                user_group.update(group)
-            self.optimizer.param_groups = user.param_groups
+
+    def elements_in(self, mb: float) -> int:
+        """A chunk capacity of ``mb`` MiB in elements of the parameters' dtype (at least one)."""
+        return max(1, int(mb * 2**20) // self.element_size)
 
     def param_group_of(self, chunk: Chunk) -> int:
         """The index of the optimizer's parameter group that ``chunk``'s parameters belong to."""

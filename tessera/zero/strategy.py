@@ -31,7 +31,7 @@ class Sharded(Strategy):
         self.residence = sharded.residence
 
     def forward(self, *args: Any, final: bool = True, **kwargs: Any) -> Any:
-        self.sharded.set_final(final)
+        self.sharded.final = final
         return self.model(*args, **kwargs)
 
     def reduce_gradients(self) -> None:
