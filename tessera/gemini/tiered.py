@@ -64,7 +64,6 @@ class TieredResidence(Residency, ShardResidence):
         self._parts: list[dict[str, Part]] = []
         self._factors: list[torch.Tensor] = []
         self._resident = False
-        self.steps = 0
 
     # ---- construction ------------------------------------------------------------------------
     def plan(self, sharded: ShardedOptimizer, numels: list[int], labels: list[int], sizes: list[int]) -> int:
@@ -101,19 +100,15 @@ class TieredResidence(Residency, ShardResidence):
 
     def _make_parts(self, chunk: TieredChunk) -> dict[str, Part]:
         """The chunk's parts, its parameters (and fp32 masters) placed by the policy."""
-        i, n = chunk.index, chunk.shard_numel
-        parts = {"params": Part(i, "params", n, self.sharded.param_dtype, self.ledger)}
-        if self.separate_master:
-            parts["master"] = Part(i, "master", n, torch.float32, self.ledger)
-        parts["grads"] = Part(i, "grads", n, torch.float32, self.ledger)
-        if self.streams:
-            parts["states"] = Part(i, "states", n * len(self.streams), torch.float32, self.ledger)
-        for part in parts.values():
-            self.memory.add(part)
-        values = chunk.shard
-        self.memory.place(parts["params"], self.policy.initial(parts["params"], self.memory), values)
-        if "master" in parts:
-            self.memory.place(parts["master"], self.policy.initial(parts["master"], self.memory), values.float())
+        n, fp32 = chunk.shard_numel, torch.float32
+        sizes = {"params": (n, self.sharded.param_dtype), "master": (n, fp32), "grads": (n, fp32)}
+        sizes["states"] = (n * len(self.streams), fp32)
+        kinds = [k for k in sizes if (k != "master" or self.separate_master) and (k != "states" or self.streams)]
+        parts = {k: self.memory.add(Part(chunk.index, k, *sizes[k], self.ledger)) for k in kinds}
+        for kind in ("params", "master") if self.separate_master else ("params",):  # placed with their values
+            self.memory.place(
+                parts[kind], self.policy.initial(parts[kind], self.memory), chunk.shard.to(sizes[kind][1])
+            )
         chunk.manage(self.memory, parts["params"])
         return parts
 
@@ -187,7 +182,6 @@ class TieredResidence(Residency, ShardResidence):
         self._factors.clear()
         self.sharded.gradients_consumed()
         self._slot_sq.zero_()
-        self.steps += 1
 
     def _ungathered(self) -> int:
         """Device bytes the chunks not gathered now would take gathered."""

@@ -12,8 +12,10 @@ of the best.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,26 @@ def pack(numels: Sequence[int], labels: Sequence[int], capacity: int) -> list[li
             chunks.append([i])
             filled = n
     return chunks
+
+
+def packing_labels(model: nn.Module, names: Sequence[str], keys: Sequence[Hashable]) -> list[int]:
+    """A label for each of ``model``'s parameters ``names`` such that a chunk never mixes two
+    ``keys`` (parameter groups, reductions) nor two blocks: a block is the first element of a
+    ``ModuleList``/``Sequential`` on a parameter's path (``blocks.3`` for
+    ``blocks.3.attn.qkv.weight``), else the model's child holding it, so that released chunks
+    are gathered, and gradients reduced, one block at a time."""
+    labels: dict[tuple[Hashable, str], int] = {}
+    return [labels.setdefault((key, _block_of(model, name)), len(labels)) for name, key in zip(names, keys)]
+
+
+def _block_of(model: nn.Module, name: str) -> str:
+    parts = name.split(".")
+    module: nn.Module = model
+    for depth, part in enumerate(parts[:-1]):
+        if isinstance(module, nn.ModuleList | nn.Sequential):
+            return ".".join(parts[: depth + 1])
+        module = getattr(module, part)
+    return parts[0] if len(parts) > 1 else ""
 
 
 def plan(numels: Sequence[int], labels: Sequence[int], capacity: int, group_size: int = 1) -> ChunkPlan:

@@ -26,16 +26,9 @@ class ZeroPolicy:
     @classmethod
     def for_stage(cls, stage: int) -> ZeroPolicy:
         """The policy of ZeRO stage 1, 2 or 3."""
-        if stage not in _STAGES:
+        if stage not in (1, 2, 3):
             raise ConfigError(f"zero.stage={stage} is not a ZeRO stage of the sharded optimizer; allowed: 1, 2, 3")
-        return _STAGES[stage]
-
-
-_STAGES = {
-    1: ZeroPolicy(1, reduce_in_backward=False, release_parameters=False),
-    2: ZeroPolicy(2, reduce_in_backward=True, release_parameters=False),
-    3: ZeroPolicy(3, reduce_in_backward=True, release_parameters=True),
-}
+        return cls(stage, reduce_in_backward=stage >= 2, release_parameters=stage == 3)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from tessera.errors import ConfigError
 from tessera.memory.chunks import Chunk, ChunkStore, Slot, WholeStateDict
 from tessera.memory.deferred import set_data
 from tessera.memory.release import ReleaseOnUse
+from tessera.memory.search import packing_labels
 from tessera.optim.wrapping import WrapsOptimizer, optimizer_entries
 from tessera.zero.gradients import GradientPipeline, GradientSink
 from tessera.zero.policy import ZeroPolicy
@@ -148,14 +149,8 @@ class ShardedOptimizer(GradientPipeline, WrapsOptimizer):
         # (tessera.context.reduction: an MoE layer's experts over the ranks that hold the same
         # experts, the rest over every replica); a chunk's parameters share one reduction.
         reductions = [gradient_reduction(ctx, p) for p in self.params]
-        kinds: dict[tuple[int, int], int] = {}
-        names: dict[tuple[int, str, int], int] = {}
-        self.labels = [
-            names.setdefault(
-                (g, _unit_of(model, n), kinds.setdefault((id(r.group), r.divide_by), len(kinds))), len(names)
-            )
-            for g, (n, _), r in zip(group_of, entries, reductions)
-        ]
+        keys = [(g, id(r.group), r.divide_by) for g, r in zip(group_of, reductions)]
+        self.labels = packing_labels(model, [n for n, _ in entries], keys)
         numels = [p.numel() for p in self.params]
         try:
             self._build(model, entries, group_of, reductions, numels)
@@ -294,15 +289,3 @@ class ShardedOptimizer(GradientPipeline, WrapsOptimizer):
                 start = lo + a - slot.offset
                 out.append((slot.name, self.params[slot.index], piece, start, start + (b - a)))
         return out
-
-
-def _unit_of(model: nn.Module, name: str) -> str:
-    """The block a parameter belongs to: the first element of a ``ModuleList``/``Sequential`` on
-    its path (``blocks.3`` for ``blocks.3.attn.qkv.weight``), else the model's child holding it."""
-    parts = name.split(".")
-    module: nn.Module = model
-    for depth, part in enumerate(parts[:-1]):
-        if isinstance(module, nn.ModuleList | nn.Sequential):
-            return ".".join(parts[: depth + 1])
-        module = getattr(module, part)
-    return parts[0] if len(parts) > 1 else ""
