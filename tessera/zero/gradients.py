@@ -133,8 +133,9 @@ class GradientPipeline:
                     bucket[slot.offset : slot.offset + slot.numel].zero_()
         self._start_reduction(chunk, bucket)
         # Two reductions in flight at most: older buckets are freed as the backward goes on, so
-        # the whole model's gradients never exist at once.
-        self._drain(keep=2 if self.overlap_comm else 0)
+        # the whole model's gradients never exist at once (stage 1, whose full gradients are
+        # all alive: one, overlap without a second full copy).
+        self._drain(keep=(2 if self.overlap_comm else 0) if self.policy.reduce_in_backward else 1)
         if self._release is not None:
             chunk.release()  # its gradients are complete: gathered again when next used
 
