@@ -58,7 +58,13 @@ if TYPE_CHECKING:
     from tessera.session import current_config, initialize
 
 
+# subpackages reachable as attributes without an import of their own (``tessera.lora.apply``)
+_SUBPACKAGES = ("lora",)
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"tessera.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'tessera' has no attribute {name!r}")

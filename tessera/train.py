@@ -48,15 +48,18 @@ from tessera.engine import (
 )
 from tessera.errors import ConfigError
 from tessera.files import atomic_path, write_atomically
+from tessera.hf.adapters import save_adapters
 from tessera.hf.train import CausalLMLoss, SavePretrainedHook, build_model, find_causal_lm, sequence_length, tokens_of
+from tessera.lora.quant import quantize
 from tessera.models import NextTokenLoss, gpt
 from tessera.optim import LAMB, LARS, lr_schedule
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     """The configured optimizer; weight decay applies to matrices only (not biases, norms)."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    trained = [p for p in model.parameters() if p.requires_grad]  # a frozen base is not the optimizer's
+    decay = [p for p in trained if p.dim() >= 2]
+    no_decay = [p for p in trained if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
@@ -243,6 +246,13 @@ def run(cfg: Config, run_dir: Path) -> list[dict[str, Any]]:
     micro = cfg.data.micro_batch_size
     train_dl = DataLoader(train_set, batch_size=micro, shuffle=cfg.data.shuffle, drop_last=True)
     eval_dl = DataLoader(recipe.eval_set, batch_size=micro)
+    if cfg.lora.rank:
+        lora = cfg.lora
+        tessera.lora.apply(recipe.model, tessera.lora.LoraOptions(
+            lora.rank, lora.alpha, lora.dropout, tuple(lora.targets), tuple(lora.modules_to_save), lora.init
+        ))  # fmt: skip
+        if lora.quantize != "none":
+            quantize(recipe.model, lora.quantize, double_quant=lora.double_quant)
     optimizer = build_optimizer(recipe.model, cfg.optimizer)
     pipeline = cfg.parallel.pipeline
     per_step = (pipeline.microbatches or pipeline.size) if pipeline.size > 1 else cfg.gradient_accumulation
@@ -269,7 +279,8 @@ def run(cfg: Config, run_dir: Path) -> list[dict[str, Any]]:
         MemoryHook(every=cfg.trainer.log_every),
         RoutingHook(plot=run_dir / "experts.png" if ctx.rank == 0 else None),
         EvalHook(eval_loader, every=cfg.trainer.eval_every, max_batches=cfg.trainer.eval_batches),
-        recipe.final_weights(run_dir),
+        # with adapters on a Hugging Face base the run keeps the adapters alone (below), PEFT's way
+        *([] if cfg.lora.rank and cfg.model.hf_path else [recipe.final_weights(run_dir)]),
         LogHook(every=cfg.trainer.log_every, jsonl=run_dir / "metrics.jsonl"),
         MemoryReportHook(run_dir / "memory.json" if ctx.rank == 0 else None),
         ProgressBarHook(enabled=cfg.trainer.progress_bar),
@@ -283,6 +294,8 @@ def run(cfg: Config, run_dir: Path) -> list[dict[str, Any]]:
         resume=cfg.trainer.resume,
     )
     history = trainer.fit(train_loader, steps=total)
+    if cfg.lora.rank:  # the adapters alone, as a PEFT folder (collective)
+        save_adapters(engine, run_dir / "adapter", base_model=cfg.model.hf_path)
     if ctx.rank == 0:
         plot_losses(history, run_dir / "loss.png", recipe.unit)
         first, last = history[0]["loss"], history[-1]["loss"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +46,9 @@ def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in named.items() if k in keys}
 
 
-def full_state_dict(source: nn.Module | HoldsStrategy) -> dict[str, torch.Tensor]:
+def full_state_dict(
+    source: nn.Module | HoldsStrategy, select: Callable[[str], bool] | None = None
+) -> dict[str, torch.Tensor]:
     """Every parameter and buffer as full CPU tensors under single-process keys.
 
     ``source``: an engine, or a model (the user's module, or a wrapper of it). Given an engine
@@ -55,9 +57,10 @@ def full_state_dict(source: nn.Module | HoldsStrategy) -> dict[str, torch.Tensor
     module's own parameters (bf16/fp16 there). Collective (every rank of the layout must call
     it): a sharded parameter is gathered along the axes of its placement's spec and its padding
     dropped, a pipeline stage's parameter is sent from its stage, released storage is gathered
-    first. Every rank returns the same dict.
+    first. Every rank returns the same dict. ``select``: only the keys it accepts (the rest are
+    neither gathered nor returned).
     """
-    with streamed_full_state(source) as stream:
+    with streamed_full_state(source, select) as stream:
         return dict(stream)
 
 
@@ -96,13 +99,17 @@ class FullStateStream:
 
 
 @contextmanager
-def streamed_full_state(source: nn.Module | HoldsStrategy) -> Iterator[FullStateStream]:
+def streamed_full_state(
+    source: nn.Module | HoldsStrategy, select: Callable[[str], bool] | None = None
+) -> Iterator[FullStateStream]:
     """:func:`full_state_dict` one tensor at a time, for writers that keep no more than one
     full tensor (collective; iterate the stream inside the block). Weights the strategy keeps
     apart (fp32 masters) are gathered on entry, and released storage (ZeRO-3's chunks) stays
     gathered for the block, as :func:`full_state_dict` does."""
     module, strategy = _module_and_strategy(source)
     named = _named_tensors(module)
+    if select is not None:
+        named = {key: tensor for key, tensor in named.items() if select(key)}
     weights = strategy.full_precision_weights() if strategy is not None else None
     values = {id(p): value for p, value in weights or ()}
     with _storage_gathered(t for t in named.values() if id(t) not in values):
@@ -140,15 +147,16 @@ def _full_tensor(tensor: torch.Tensor, placement: Placement) -> torch.Tensor:
     return full
 
 
-def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], *, partial: bool = False) -> None:
     """Copy a full state dict (single-process keys) into ``model`` in any layout; every key of
-    the model must be present, and no other."""
+    the model must be present (unless ``partial``: those given, an adapter's), and no other."""
     module = _unwrap(model)
     named = _named_tensors(module)
     missing, unexpected = sorted(set(named) - set(state)), sorted(set(state) - set(named))
-    if missing or unexpected:
+    if (missing and not partial) or unexpected:
         raise KeyError(f"state dict does not match the model: missing {missing}, unexpected {unexpected}")
-    with torch.no_grad(), _storage_gathered(module.parameters()) as storages:
+    named = {key: tensor for key, tensor in named.items() if key in state}
+    with torch.no_grad(), _storage_gathered(named.values()) as storages:
         for key, tensor in named.items():
             full = state[key]
             placement = placement_of(tensor)

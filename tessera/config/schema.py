@@ -223,6 +223,35 @@ class ActivationCheckpointConfig:
             raise ConfigError(f"{path}every={self.every} must be at least 1")
 
 
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int = _field(0, "Rank of the low-rank adapters (0: no adapters, the whole model trains).")
+    alpha: float = _field(16.0, "The adapters' update is scaled by alpha / rank.")
+    dropout: float = _field(0.0, "Dropout on the adapters' input.")
+    targets: list[str] = _field_factory(
+        lambda: ["all-linear"],
+        'Linear layers to adapt, by name or name suffix ("q_proj"); "all-linear": all but the output head.',
+    )
+    modules_to_save: list[str] = _field_factory(list, "Modules trained whole beside the adapters (a new head).")
+    init: Literal["default", "gaussian", "zeros"] = _field(
+        "default", "default: A as nn.Linear initialises, B zero (PEFT's); gaussian: A normal(1/rank), B zero."
+    )
+    quantize: Literal["none", "int8", "nf4"] = _field(
+        "none", "Keep the adapted layers' frozen weights quantized: int8 per output channel, or NF4 in blocks of 64."
+    )
+    double_quant: bool = _field(False, "NF4: quantize the blocks' absmax scales too (int8, groups of 256).")
+
+    def validate(self, path: str) -> None:
+        if self.rank < 0:
+            raise ConfigError(f"{path}rank={self.rank} must be >= 0 (0: no adapters)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"{path}dropout={self.dropout} must be within [0, 1)")
+        if self.quantize != "none" and not self.rank:
+            raise ConfigError(f"{path}quantize={self.quantize!r} quantizes an adapted base: set {path}rank too")
+        if self.rank and not self.targets:
+            raise ConfigError(f"{path}targets is empty: name the layers to adapt, or 'all-linear'")
+
+
 _BYTE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
 
@@ -496,6 +525,7 @@ class Config:
         ActivationCheckpointConfig, "Activations recomputed in the backward pass instead of kept (tessera's blocks)."
     )
     mixed_precision: MixedPrecisionConfig = _section(MixedPrecisionConfig, "Mixed precision and loss scaling.")
+    lora: LoraConfig = _section(LoraConfig, "Low-rank adapters on a frozen base (tessera.lora; docs/lora.md).")
     gradient_accumulation: int = _field(1, "Micro-batches accumulated per optimizer step.")
     clip_grad_norm: float | None = _field(None, "Clip gradients to this global norm; None: no clipping.")
     seed: int = _field(42, "Base random seed (every rank and axis stream derives from it).")

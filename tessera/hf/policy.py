@@ -71,15 +71,25 @@ def replace_module(root: nn.Module, name: str, new: nn.Module) -> None:
 def swap(
     root: nn.Module, name: str, make: Callable[[nn.Module], nn.Module], replaced: dict[int, nn.Parameter]
 ) -> nn.Module:
-    """Replace the submodule ``name`` by ``make(old)``, recording old -> new parameters by name."""
+    """Replace the submodule ``name`` by ``make(old)``, recording old -> new parameters by name.
+    A LoRA layer (``tessera.lora``) stays, its base replaced and its adapter split with it."""
     old = root.get_submodule(name)
+    rebase = getattr(old, "rebase", None)
+    if rebase is not None:
+        replaced.update(rebase(make))  # type: ignore[arg-type]
+        return old
     new = make(old)
+    _record(old, new, replaced)
+    replace_module(root, name, new)
+    return new
+
+
+def _record(old: nn.Module, new: nn.Module, replaced: dict[int, nn.Parameter]) -> None:
     before = dict(old.named_parameters(recurse=False))
     for pname, param in new.named_parameters(recurse=False):
         if pname in before and before[pname] is not param:
             replaced[id(before[pname])] = param
-    replace_module(root, name, new)
-    return new
+            param.requires_grad_(before[pname].requires_grad)  # a frozen weight stays frozen split
 
 
 def retie(root: nn.Module, replaced: dict[int, nn.Parameter]) -> None:

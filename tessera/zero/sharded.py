@@ -142,8 +142,10 @@ class ShardedOptimizer(GradientPipeline, WrapsOptimizer):
         self.param_dtype = PARAM_DTYPES[precision]
         self.element_size = torch.empty((), dtype=self.param_dtype).element_size()
         entries, group_of = optimizer_entries(model, optimizer)
+        trained = [i for i, (_, p) in enumerate(entries) if p.requires_grad]  # frozen: no piece, no state
+        entries, group_of = [entries[i] for i in trained], [group_of[i] for i in trained]
         if not entries:
-            raise ConfigError("the sharded optimizer was given an optimizer that holds no parameters")
+            raise ConfigError("the sharded optimizer was given an optimizer that holds no trainable parameters")
         self.params = [p for _, p in entries]
         # Each gradient is reduced over the group the reduction contract gives it
         # (tessera.context.reduction: an MoE layer's experts over the ranks that hold the same

@@ -213,3 +213,24 @@ def test_without_transformers_an_hf_model_asks_for_the_extra(capsys, folders, mo
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
     err = train_error(capsys, "--model", f"hf:{folders / 'llama'}")
     assert "needs transformers, which is not installed: pip install 'tessera[hf]'" in err
+
+
+def test_adapters_fine_tuned_under_tensor_parallelism_load_into_peft(tmp_path):
+    import peft
+
+    write_llama(tmp_path / "llama")
+    run_dir = tmp_path / "run"
+    out = run([*tessera_cmd(), "train", "--model", f"hf:{tmp_path / 'llama'}", "--nproc", "2",
+               "--output-dir", str(run_dir), "--set", "parallel.tensor.size=2", "--set", "data.max_bytes=30000",
+               "--set", "lora.rank=4", "--set", "lora.alpha=64", "--set", "lora.targets=['q_proj','v_proj','down_proj']", *SHORT],
+              timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == ["adapter", "config.json", "loss.png", "metrics.jsonl"]
+    trained = losses(run_dir)
+    assert trained[-1] < trained[0] - 0.1, trained
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "llama")
+    text = torch.tensor(list((REPO / "tessera" / "train.py").read_bytes()[:2048]), dtype=torch.int64)[None]
+    before = loss_on(base, text)
+    adapted = peft.PeftModel.from_pretrained(base, run_dir / "adapter")
+    assert adapted.peft_config["default"].r == 4
+    assert loss_on(adapted, text) < before - 0.05

@@ -126,6 +126,8 @@ class PipelineStage:
     def _sum_shared_gradients(self) -> None:
         group = self.ctx.group("pipeline")
         for param in self.shared:  # the same order on every rank: model order
+            if not param.requires_grad:  # frozen (an adapter's base): no gradient to sum
+                continue
             if param.is_meta:  # a deferred model's parameter this stage does not hold: join with zeros
                 comm.all_reduce(torch.zeros(param.shape, dtype=param.dtype, device=self.ctx.device), group)
                 continue

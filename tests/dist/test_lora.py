@@ -1,0 +1,333 @@
+"""LoRA adapters on unmodified transformers models (GPT-2 with its fused ``Conv1D`` q/k/v; LLaMA
+with grouped-query attention): ``tessera.lora.apply`` trains as PEFT does in one process, and
+under data parallelism, ZeRO 2 and 3 and 1D tensor parallelism with sequence-parallel regions
+trains as that single process (10 AdamW steps, losses and adapter weights, fp32
+``tessera.testing.tolerance``). The frozen base is bitwise unchanged, and no rank holds a
+gradient or an optimizer state for it."""
+
+from __future__ import annotations
+
+import peft
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+import tessera
+import tessera.lora
+from tessera.checkpoint import full_state_dict
+from tessera.errors import ConfigError
+from tessera.testing import tolerance, use_layout
+
+STEPS = 10
+TOL = tolerance(blocks=2, steps=STEPS)
+BATCH, SEQ, VOCAB = 8, 16, 67
+RANK, ALPHA = 4, 8.0
+TARGETS = {"gpt2": ("c_attn", "c_proj", "c_fc"), "llama": ("q_proj", "k_proj", "v_proj", "o_proj", "down_proj")}
+
+
+def build(family: str) -> torch.nn.Module:
+    """A small random model of ``family``, the same on every rank and in the reference."""
+    if family == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+    else:
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=SEQ,
+        )  # fmt: skip
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def adapter_values(names: list[str]) -> dict[str, torch.Tensor]:
+    """Non-zero starting values for every adapter factor (B too, so that the first step already
+    moves everything), by ``<layer>.lora_A`` / ``<layer>.lora_B``, the same everywhere."""
+    g = torch.Generator().manual_seed(3)
+    return {name: torch.randn(shape, generator=g) * 0.1 for name, shape in names}
+
+
+def factor_shapes(family: str) -> list[tuple[str, tuple[int, int]]]:
+    model = tessera.lora.apply(build(family), rank=RANK, alpha=ALPHA, targets=TARGETS[family])
+    return [
+        (f"{name}.{factor}", tuple(getattr(layer, factor).weight.shape))
+        for name, layer in tessera.lora.adapters(model)
+        for factor in ("lora_A", "lora_B")
+    ]
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, VOCAB, (STEPS, BATCH, SEQ + 1), generator=g)
+    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+
+
+def loss_of(output, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output.logits.flatten(0, 1), targets.flatten())
+
+
+def optimizer_of(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-3)
+
+
+def peft_reference(family: str) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Single-process PEFT: the losses, the adapters' final values (tessera's names) and the base."""
+    base = build(family)
+    config = peft.LoraConfig(
+        r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=list(TARGETS[family]),
+        fan_in_fan_out=family == "gpt2",
+    )  # fmt: skip
+    model = peft.get_peft_model(base, config)
+    start = adapter_values(factor_shapes(family))
+    layers = dict(model.base_model.model.named_modules())
+    with torch.no_grad():
+        for key, value in start.items():
+            layer, factor = key.rsplit(".", 1)
+            getattr(layers[layer], factor)["default"].weight.copy_(value)
+    optimizer = optimizer_of(model)
+    losses = []
+    for x, y in batches():
+        optimizer.zero_grad()
+        loss = loss_of(model(input_ids=x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    adapters = {k: getattr(layers[k.rsplit(".", 1)[0]], k.rsplit(".", 1)[1])["default"].weight.detach() for k in start}
+    return losses, adapters, {k: v.detach().clone() for k, v in build(family).state_dict().items()}
+
+
+def adapted(family: str) -> torch.nn.Module:
+    model = tessera.lora.apply(build(family), rank=RANK, alpha=ALPHA, targets=TARGETS[family])
+    values = adapter_values(factor_shapes(family))
+    layers = dict(model.named_modules())
+    with torch.no_grad():
+        for key, value in values.items():
+            layer, factor = key.rsplit(".", 1)
+            getattr(layers[layer], factor).weight.copy_(value)
+    return model
+
+
+def base_key(key: str) -> str:
+    """``transformer.h.0.attn.c_attn.base_layer.weight`` -> the plain model's key."""
+    return key.replace(".base_layer.", ".")
+
+
+def test_lora_in_one_process_trains_as_peft():
+    for family in ("gpt2", "llama"):
+        expected_losses, expected_adapters, base = peft_reference(family)
+        model = adapted(family)
+        optimizer = optimizer_of(model)
+        losses = []
+        for x, y in batches():
+            optimizer.zero_grad()
+            loss = loss_of(model(input_ids=x), y)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), **TOL)
+        state = model.state_dict()
+        for key, value in expected_adapters.items():
+            torch.testing.assert_close(state[key + ".weight"], value, **TOL, msg=lambda m, key=key: key + m)
+        frozen = {base_key(k): v for k, v in state.items() if ".lora_" not in k}
+        assert set(frozen) == set(base)
+        assert all(torch.equal(frozen[k], base[k]) for k in base), "the frozen base moved"
+
+
+LAYOUTS = {
+    "dp2": dict(data=2, config={"parallel": {"data": 2}}),
+    "zero2-dp2": dict(data=2, config={"parallel": {"data": 2}, "zero": {"stage": 2, "chunk_mb": 0.004}}),
+    "zero3-dp2": dict(data=2, config={"parallel": {"data": 2}, "zero": {"stage": 3, "chunk_mb": 0.004}}),
+    "gemini-dp2": dict(data=2, config={"parallel": {"data": 2}, "gemini": {"enabled": True, "chunk_mb": 0.004}}),
+    "sp2-ring": dict(sequence=2, config={"parallel": {"sequence": {"size": 2, "mode": "ring"}}}),
+    "pp2": dict(pipeline=2, config={"parallel": {"pipeline": {"size": 2, "schedule": "1f1b", "microbatches": 2}}}),
+    "tp2-sequence-parallel": dict(
+        tensor=2, sequence_parallel=True,
+        config={"parallel": {"tensor": {"size": 2, "mode": "1d", "sequence_parallel": True}}},
+    ),  # fmt: skip
+}
+
+
+def train(family: str, layout: str):
+    ctx = use_layout(**LAYOUTS[layout])
+    model = adapted(family)
+    engine, *_ = tessera.initialize(model, optimizer_of(model), loss_of)
+    data = ctx.size("data")
+    per_rank = BATCH // data
+    mine = slice(ctx.local_rank("data") * per_rank, (ctx.local_rank("data") + 1) * per_rank)
+    parts = 2 if ctx.size("pipeline") > 1 else 1  # a pipeline's step takes its micro-batches one by one
+    losses = [
+        float(engine.train_batch(iter(zip(x[mine].chunk(parts), y[mine].chunk(parts), strict=True))))
+        for x, y in batches()
+    ]
+    frozen = {id(p): n for n, p in engine.model.named_parameters() if ".lora_" not in n}
+    optimizer = engine.optimizer
+    held = [f"state of {frozen[id(p)]}" for p in optimizer.state if id(p) in frozen]
+    held += [f"gradient of {n}" for n, p in engine.model.named_parameters() if id(p) in frozen and p.grad is not None]
+    stepped = [p for g in optimizer.param_groups for p in g["params"]]
+    stepped += getattr(optimizer, "params", [])  # a sharded optimizer's
+    held += [f"{frozen[id(p)]} stepped" for p in stepped if id(p) in frozen]
+    state = full_state_dict(engine.model)
+    return losses, state, held
+
+
+CASES = [(f, layout) for layout in LAYOUTS for f in ("gpt2", "llama") if not (f == "gpt2" and layout == "sp2-ring")]
+
+
+@pytest.mark.parametrize(("family", "layout"), CASES)  # tessera.hf has no sequence-parallel policy for GPT-2
+def test_lora_trains_as_one_process_in_every_layout(pools, family, layout):
+    expected_losses, expected_adapters, base = peft_reference(family)
+    sizes = LAYOUTS[layout]
+    ranks = sizes.get("data", 1) * sizes.get("tensor", 1) * sizes.get("sequence", 1) * sizes.get("pipeline", 1)
+    for losses, state, frozen_held in pools.run(ranks, train, family, layout, timeout=300):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), **TOL)
+        for key, value in expected_adapters.items():
+            torch.testing.assert_close(state[key + ".weight"], value, **TOL, msg=lambda m, key=key: key + m)
+        frozen = {base_key(k): v for k, v in state.items() if ".lora_" not in k}
+        assert set(frozen) == set(base)
+        assert all(torch.equal(frozen[k], base[k]) for k in base), "the frozen base moved"
+        assert frozen_held == [], "a frozen weight got a gradient, an optimizer state or a piece"
+
+
+def test_targets_that_match_no_layer_name_the_linear_layers():
+    with pytest.raises(ConfigError, match=r"match no linear layer of LlamaForCausalLM.*q_proj"):
+        tessera.lora.apply(build("llama"), targets=("query",))
+
+
+def test_a_rank_larger_than_a_layer_is_refused_naming_it():
+    with pytest.raises(ConfigError, match=r"c_attn: lora.rank=64 must be between 1 and the layer's smaller"):
+        tessera.lora.apply(build("gpt2"), rank=64, targets=("c_attn",))
+
+
+# ---- PEFT folders in and out --------------------------------------------------------------------
+
+
+def train_and_save(layout: str, folder: str):
+    """3 steps of LLaMA with adapters under ``layout``, then its adapters saved as a PEFT folder;
+    the logits of the first batch after, and the merged weights."""
+    from tessera.hf.adapters import merged_state_dict, save_adapters
+
+    ctx = use_layout(**LAYOUTS[layout])
+    model = adapted("llama")
+    engine, *_ = tessera.initialize(model, optimizer_of(model), loss_of)
+    per_rank = BATCH // ctx.size("data")
+    mine = slice(ctx.local_rank("data") * per_rank, (ctx.local_rank("data") + 1) * per_rank)
+    for x, y in batches()[:3]:
+        engine.train_batch(iter([(x[mine], y[mine])]))
+    save_adapters(engine, folder)
+    with torch.no_grad():
+        logits = engine.model(input_ids=batches()[0][0]).logits
+    return logits, merged_state_dict(engine)
+
+
+def test_adapters_saved_from_tensor_parallel_training_load_into_plain_peft(pools, tmp_path):
+    folder = str(tmp_path / "adapter")
+    logits, merged = pools.run(2, train_and_save, "tp2-sequence-parallel", folder, timeout=300)[0]
+    loaded = peft.PeftModel.from_pretrained(build("llama"), folder)
+    with torch.no_grad():
+        theirs = loaded(input_ids=batches()[0][0]).logits
+    torch.testing.assert_close(logits, theirs, rtol=1e-5, atol=1e-5)
+    plain = loaded.merge_and_unload().state_dict()
+    assert set(merged) == set(plain)
+    for key, value in plain.items():
+        torch.testing.assert_close(merged[key], value, rtol=1e-6, atol=1e-6, msg=lambda m, key=key: key + m)
+
+
+def continue_from(layout: str, folder: str):
+    """A fresh LLaMA takes a PEFT folder's adapters and trains 5 more steps under ``layout``."""
+    from tessera.hf.adapters import load_adapters
+
+    ctx = use_layout(**LAYOUTS[layout])
+    model = load_adapters(build("llama"), folder)
+    engine, *_ = tessera.initialize(model, optimizer_of(model), loss_of)
+    per_rank = BATCH // ctx.size("data")
+    mine = slice(ctx.local_rank("data") * per_rank, (ctx.local_rank("data") + 1) * per_rank)
+    return [float(engine.train_batch(iter([(x[mine], y[mine])]))) for x, y in batches()[3:8]]
+
+
+def test_a_peft_folder_loads_into_a_layout_and_trains_on_as_one_process(pools, tmp_path):
+    base = build("llama")
+    peft_model = peft.get_peft_model(base, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["q_proj", "v_proj"]))
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.1)
+    folder = str(tmp_path / "peft")
+    peft_model.save_pretrained(folder)
+    optimizer = optimizer_of(peft_model)
+    expected = []
+    for x, y in batches()[3:8]:
+        optimizer.zero_grad()
+        loss = loss_of(peft_model(input_ids=x), y)
+        loss.backward()
+        optimizer.step()
+        expected.append(loss.item())
+    for losses in pools.run(2, continue_from, "tp2-sequence-parallel", folder, timeout=300):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), **TOL)
+
+
+def test_adapters_from_another_base_are_refused_naming_the_shapes(tmp_path):
+    from tessera.hf.adapters import load_adapters, save_adapters
+
+    folder = tmp_path / "gpt2-adapter"
+    save_adapters(tessera.lora.apply(build("gpt2"), rank=RANK, targets=("c_attn",)), folder)
+    other = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4)
+    with pytest.raises(ConfigError, match=r"do not fit this model.*c_attn.lora_A.weight: \(4, 32\) in the folder, \(4, 64\) here"):
+        load_adapters(transformers.GPT2LMHeadModel(other), folder)
+
+
+# ---- a quantized frozen base ----------------------------------------------------------------------
+
+
+def quantized_run(layout: str | None):
+    """LLaMA with adapters on an NF4 base (double-quantized absmaxes): 10 steps in one process
+    (``layout`` None) or under ``layout``; the losses and the adapters."""
+    from tessera.lora.quant import quantize
+
+    ctx = use_layout(**LAYOUTS[layout]) if layout is not None else None
+    model = quantize(adapted("llama"), "nf4", double_quant=True)
+    if ctx is None:
+        optimizer = optimizer_of(model)
+        losses = []
+        for x, y in batches():
+            optimizer.zero_grad()
+            loss = loss_of(model(input_ids=x), y)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        return losses, {k: v.detach().clone() for k, v in model.state_dict().items() if ".lora_" in k}
+    engine, *_ = tessera.initialize(model, optimizer_of(model), loss_of)
+    per_rank = BATCH // ctx.size("data")
+    mine = slice(ctx.local_rank("data") * per_rank, (ctx.local_rank("data") + 1) * per_rank)
+    losses = [float(engine.train_batch(iter([(x[mine], y[mine])]))) for x, y in batches()]
+    return losses, full_state_dict(engine.model, select=lambda key: ".lora_" in key)
+
+
+def test_lora_on_an_nf4_base_under_zero3_trains_as_one_process(pools):
+    expected_losses, expected = quantized_run(None)
+    for losses, state in pools.run(2, quantized_run, "zero3-dp2", timeout=300):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), **TOL)
+        assert set(state) == set(expected)
+        for key, value in expected.items():
+            torch.testing.assert_close(state[key], value, **TOL, msg=lambda m, key=key: key + m)
+
+
+def quantized_under_tensor_parallelism() -> str:
+    from tessera.lora.quant import quantize
+
+    use_layout(**LAYOUTS["tp2-sequence-parallel"])
+    model = quantize(adapted("llama"), "int8")
+    try:
+        tessera.initialize(model, optimizer_of(model), loss_of)
+    except ConfigError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_a_quantized_base_under_tensor_parallelism_is_refused_naming_the_layouts_that_work(pools):
+    for message in pools.run(2, quantized_under_tensor_parallelism, timeout=120):
+        assert "quantized frozen base cannot be split by tensor parallelism" in message
+        assert "data parallelism, ZeRO 1-3 and Gemini" in message
