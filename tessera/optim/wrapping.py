@@ -28,10 +28,11 @@ class WrapsOptimizer:
 
 
 def optimizer_entries(
-    model: nn.Module, optimizer: torch.optim.Optimizer
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, trainable: bool = False
 ) -> tuple[list[tuple[str, nn.Parameter]], list[int]]:
     """The optimizer's parameters in group order as ``(model name, parameter)``, and the group
-    index of each; raises ValueError on a parameter that is not ``model``'s."""
+    index of each (``trainable``: only those that require a gradient, not a frozen base's);
+    raises ValueError on a parameter that is not ``model``'s."""
     names = {id(p): n for n, p in model.named_parameters()}
     entries: list[tuple[str, nn.Parameter]] = []
     group_of: list[int] = []
@@ -39,6 +40,7 @@ def optimizer_entries(
         for p in group["params"]:
             if id(p) not in names:
                 raise ValueError("the optimizer holds a parameter that is not the model's")
-            entries.append((names[id(p)], p))
-            group_of.append(index)
+            if p.requires_grad or not trainable:
+                entries.append((names[id(p)], p))
+                group_of.append(index)
     return entries, group_of

@@ -141,9 +141,7 @@ class ShardedOptimizer(GradientPipeline, WrapsOptimizer):
         self.overlap_comm = overlap_comm
         self.param_dtype = PARAM_DTYPES[precision]
         self.element_size = torch.empty((), dtype=self.param_dtype).element_size()
-        entries, group_of = optimizer_entries(model, optimizer)
-        trained = [i for i, (_, p) in enumerate(entries) if p.requires_grad]  # frozen: no piece, no state
-        entries, group_of = [entries[i] for i in trained], [group_of[i] for i in trained]
+        entries, group_of = optimizer_entries(model, optimizer, trainable=True)  # frozen: no piece, no state
         if not entries:
             raise ConfigError("the sharded optimizer was given an optimizer that holds no trainable parameters")
         self.params = [p for _, p in entries]
