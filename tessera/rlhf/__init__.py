@@ -85,6 +85,7 @@ from tessera.rlhf.models import (
     GPTValueModel,
     HFValueModel,
     ValueModel,
+    adapters_off,
     sequence_values,
     token_logprobs_fn,
     value_head,
@@ -119,6 +120,7 @@ from tessera.rlhf.tokens import (
 )
 
 __all__ = [
+    "adapters_off",
     "RewardOptions",
     "RewardTrainer",
     "reward_scores",
