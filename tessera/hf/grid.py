@@ -362,7 +362,8 @@ def _replicated(module: nn.Module, space: Space) -> None:
     over the tensor group (the parameters stay equal everywhere)."""
     module.register_forward_hook(lambda _m, _a, out: space.hidden_block(out))
     for param in module.parameters():
-        param.register_hook(lambda grad: comm.all_reduce(grad.contiguous(), space.tensor))
+        if param.requires_grad:  # a frozen table (an adapter's base) has no gradient to sum
+            param.register_hook(lambda grad: comm.all_reduce(grad.contiguous(), space.tensor))
 
 
 def apply_grid(model: Any, ctx: ParallelContext, layout: Layout) -> dict[int, nn.Parameter]:
@@ -391,7 +392,8 @@ def apply_grid(model: Any, ctx: ParallelContext, layout: Layout) -> dict[int, nn
         elif name == embedding:
             make = partial(GridEmbedding, ctx=ctx, mode=mode, space=space)
         elif isinstance(module, nn.Linear) or is_conv1d(module):
-            make = partial(GridLinear, ctx=ctx, mode=mode, groups=groups.get(name, 1))
+            owner = name.removesuffix(".base_layer").removesuffix(".lora_B")  # a LoRA layer's outputs: as its own
+            make = partial(GridLinear, ctx=ctx, mode=mode, groups=groups.get(owner, 1))
         elif isinstance(module, nn.LayerNorm):
             make = partial(GridNorm, ctx=ctx, mode=mode)
         elif is_rms_norm(module):

@@ -143,8 +143,24 @@ LAYOUTS = {
     "gemini-dp2": dict(data=2, config={"parallel": {"data": 2}, "gemini": {"enabled": True, "chunk_mb": 0.004}}),
     "sp2-ring": dict(sequence=2, config={"parallel": {"sequence": {"size": 2, "mode": "ring"}}}),
     "pp2": dict(pipeline=2, config={"parallel": {"pipeline": {"size": 2, "schedule": "1f1b", "microbatches": 2}}}),
+    "2d-tp4": dict(tensor=4, mode="2d", config={"parallel": {"tensor": {"size": 4, "mode": "2d"}}}),
+    "2.5d-tp8": dict(
+        tensor=8, mode="2.5d", depth=2, config={"parallel": {"tensor": {"size": 8, "mode": "2.5d", "depth": 2}}}
+    ),
+    "3d-tp8": dict(tensor=8, mode="3d", config={"parallel": {"tensor": {"size": 8, "mode": "3d"}}}),
+    "pp2-tp2": dict(
+        pipeline=2,
+        tensor=2,
+        config={
+            "parallel": {
+                "pipeline": {"size": 2, "schedule": "1f1b", "microbatches": 2},
+                "tensor": {"size": 2, "mode": "1d"},
+            }
+        },
+    ),  # fmt: skip
     "tp2-sequence-parallel": dict(
-        tensor=2, sequence_parallel=True,
+        tensor=2,
+        sequence_parallel=True,
         config={"parallel": {"tensor": {"size": 2, "mode": "1d", "sequence_parallel": True}}},
     ),  # fmt: skip
 }
@@ -222,9 +238,10 @@ def train_and_save(layout: str, folder: str):
     return logits, merged_state_dict(engine)
 
 
-def test_adapters_saved_from_tensor_parallel_training_load_into_plain_peft(pools, tmp_path):
+@pytest.mark.parametrize("layout", ["tp2-sequence-parallel", "2d-tp4"])
+def test_adapters_saved_from_tensor_parallel_training_load_into_plain_peft(pools, tmp_path, layout):
     folder = str(tmp_path / "adapter")
-    logits, merged = pools.run(2, train_and_save, "tp2-sequence-parallel", folder, timeout=300)[0]
+    logits, merged = pools.run(LAYOUTS[layout]["tensor"], train_and_save, layout, folder, timeout=300)[0]
     loaded = peft.PeftModel.from_pretrained(build("llama"), folder)
     with torch.no_grad():
         theirs = loaded(input_ids=batches()[0][0]).logits
@@ -242,14 +259,17 @@ def continue_from(layout: str, folder: str):
     ctx = use_layout(**LAYOUTS[layout])
     model = load_adapters(build("llama"), folder)
     engine, *_ = tessera.initialize(model, optimizer_of(model), loss_of)
-    per_rank = BATCH // ctx.size("data")
-    mine = slice(ctx.local_rank("data") * per_rank, (ctx.local_rank("data") + 1) * per_rank)
-    return [float(engine.train_batch(iter([(x[mine], y[mine])]))) for x, y in batches()[3:8]]
+    parts = 2 if ctx.size("pipeline") > 1 else 1
+    return [
+        float(engine.train_batch(iter(zip(x.chunk(parts), y.chunk(parts), strict=True)))) for x, y in batches()[3:8]
+    ]
 
 
-def test_a_peft_folder_loads_into_a_layout_and_trains_on_as_one_process(pools, tmp_path):
+def test_a_peft_folder_loads_into_pipeline_and_tensor_parallelism_and_trains_on_as_one_process(pools, tmp_path):
     base = build("llama")
-    peft_model = peft.get_peft_model(base, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["q_proj", "v_proj"]))
+    peft_model = peft.get_peft_model(
+        base, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["q_proj", "v_proj"])
+    )
     g = torch.Generator().manual_seed(9)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
@@ -265,7 +285,7 @@ def test_a_peft_folder_loads_into_a_layout_and_trains_on_as_one_process(pools, t
         loss.backward()
         optimizer.step()
         expected.append(loss.item())
-    for losses in pools.run(2, continue_from, "tp2-sequence-parallel", folder, timeout=300):
+    for losses in pools.run(4, continue_from, "pp2-tp2", folder, timeout=300):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), **TOL)
 
 
@@ -275,7 +295,9 @@ def test_adapters_from_another_base_are_refused_naming_the_shapes(tmp_path):
     folder = tmp_path / "gpt2-adapter"
     save_adapters(tessera.lora.apply(build("gpt2"), rank=RANK, targets=("c_attn",)), folder)
     other = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4)
-    with pytest.raises(ConfigError, match=r"do not fit this model.*c_attn.lora_A.weight: \(4, 32\) in the folder, \(4, 64\) here"):
+    with pytest.raises(
+        ConfigError, match=r"do not fit this model.*c_attn.lora_A.weight: \(4, 32\) in the folder, \(4, 64\) here"
+    ):
         load_adapters(transformers.GPT2LMHeadModel(other), folder)
 
 
@@ -331,3 +353,31 @@ def test_a_quantized_base_under_tensor_parallelism_is_refused_naming_the_layouts
     for message in pools.run(2, quantized_under_tensor_parallelism, timeout=120):
         assert "quantized frozen base cannot be split by tensor parallelism" in message
         assert "data parallelism, ZeRO 1-3 and Gemini" in message
+
+
+# ---- what the adapters move ----------------------------------------------------------------------
+
+
+def tensor_bytes(rank: int) -> dict:
+    """The tensor axis's communication of one training step of LLaMA with rank-``rank`` adapters
+    under 1D tp2."""
+    from tessera import comm
+
+    use_layout(tensor=2, config={"parallel": {"tensor": {"size": 2, "mode": "1d"}}})
+    model = tessera.lora.apply(build("llama"), rank=rank, alpha=ALPHA, targets=TARGETS["llama"])
+    engine, *_ = tessera.initialize(model, optimizer_of(model), loss_of)
+    x, y = batches()[0]
+    with comm.ledger() as ledger:
+        engine.train_batch(iter([(x, y)]))
+    return {op: ledger.payload_bytes(op, "tensor") for op in ("all_reduce", "all_gather", "reduce_scatter")}
+
+
+def test_adapters_under_tensor_parallelism_move_only_their_factors_gradients(pools):
+    """Per token the adapters move nothing: doubling the rank grows the step's tensor-axis
+    traffic by exactly the added factors' gradients, summed once per backward (column-parallel
+    q/k/v: A, r x hidden; row-parallel o/down: B, hidden x r), whatever the tokens."""
+    small, large = (pools.run(2, tensor_bytes, rank, timeout=300)[0] for rank in (4, 8))
+    hidden, layers, element, added = 32, 2, 4, 4
+    expected = layers * (3 * added * hidden + 2 * hidden * added) * element
+    assert large["all_reduce"] - small["all_reduce"] == expected, (large, small)
+    assert large["all_gather"] == small["all_gather"] and large["reduce_scatter"] == small["reduce_scatter"]
