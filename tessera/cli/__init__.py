@@ -82,6 +82,7 @@ BENCH_TARGETS: dict[str, str] = {  # name -> "module:function"; each strategy ad
     "plan": "tessera.bench.plan:main",
     "moe": "tessera.bench.moe:main",
     "rlhf-generate": "tessera.bench.rlhf_generate:main",
+    "lora": "tessera.bench.lora:main",
 }
 
 # name -> what it measures, how long it takes on 2 CPU cores, what it needs
@@ -116,6 +117,10 @@ BENCH_HELP: dict[str, str] = {
     "moe": "the MoE GPT (tiny-moe) under expert parallelism (ep1 and ep2 on 2 ranks, ep2 on 4) vs a dense GPT of "
     "the same active parameters and DeepSpeed-MoE: step time, tokens/s, parameters, losses (about 2 min); the "
     "DeepSpeed rows need the bench extra",
+    "lora": "LoRA fine-tuning of a LLaMA-shaped model on 2 ranks: full fine-tuning vs LoRA on fp32, int8 and NF4 "
+    "bases vs PEFT under DDP and DeepSpeed ZeRO-3: step time, peak RSS, trainable parameters; the largest model "
+    "full fine-tuning and LoRA on NF4 train under 768 MiB per rank (about 10 min); needs the hf and peft extras, "
+    "the DeepSpeed rows the bench extra",
     "rlhf-generate": "RLHF rollouts with the paged KV cache vs the full forward per token on the same training GPT "
     "(tiny, 16+128 tokens, batch 1 and 16), and inside whole PPO steps at batch 16: tokens/s, PPO steps/s, the same "
     "greedy tokens, 1 process (about 1 min)",
