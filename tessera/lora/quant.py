@@ -97,6 +97,21 @@ def dequantize_absmax(codes: torch.Tensor, scales: torch.Tensor, mean: torch.Ten
     return codes.float() * scales.repeat_interleave(group)[: codes.numel()] + mean
 
 
+class _DequantizedMatmul(torch.autograd.Function):
+    """``x @ W.T`` with ``W`` dequantized for the product and dropped after it: the backward
+    dequantizes again for the input's gradient, so the full-precision weight never waits in the
+    autograd graph (the base is frozen: no weight gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
+        ctx.layer, ctx.dtype = layer, x.dtype
+        return F.linear(x, layer.weight_value(x.dtype))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad @ ctx.layer.weight_value(ctx.dtype), None
+
+
 class QuantizedLinear(nn.Module):
     """A frozen linear layer kept as ``fmt`` codes (``"int8"`` or ``"nf4"``), dequantized to the
     input's dtype at each forward. Built from an ``nn.Linear`` or a transformers ``Conv1D``
@@ -156,7 +171,8 @@ class QuantizedLinear(nn.Module):
         return dequantize_nf4(self.codes, absmax, shape, self.block, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight_value(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        y = _DequantizedMatmul.apply(x, self)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
 
     def extra_repr(self) -> str:
         dq = ", double_quant" if self.double_quant else ""

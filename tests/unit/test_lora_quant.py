@@ -95,3 +95,19 @@ def test_a_quantized_adapted_layer_computes_with_the_dequantized_weight():
 def test_quantize_needs_adapters_first():
     with pytest.raises(ConfigError, match="apply LoRA first"):
         quantize(nn.Sequential(nn.Linear(4, 4)))
+
+
+def test_a_quantized_layer_keeps_no_full_precision_weight_for_the_backward():
+    layer = QuantizedLinear(nn.Linear(256, 128, bias=False), "nf4")
+    x = torch.randn(2, 256, requires_grad=True)
+    saved: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = layer(x)
+    assert sum(saved) < 256 * 128 * 4 // 8, saved  # nothing near the fp32 weight's 128 KiB waits for the backward
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones(2, 128) @ layer.weight_value())
