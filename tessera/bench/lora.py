@@ -111,9 +111,11 @@ def build_tessera(w: Workload, label: str) -> tuple[StepFn, int]:
 
 def _mean_over_ranks(loss: torch.Tensor) -> float:
     """The loss averaged over the ranks, as tessera's engine reports it."""
-    value = loss.detach().clone()
-    torch.distributed.all_reduce(value)
-    return float(value) / torch.distributed.get_world_size()
+    from tessera import comm
+    from tessera.context import get_context
+
+    value = comm.all_reduce(loss.detach().clone(), get_context().group("world"), op="avg")
+    return float(value)
 
 
 def _peft_model(w: Workload) -> torch.nn.Module:
