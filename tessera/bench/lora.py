@@ -75,15 +75,12 @@ class Workload:
 
 
 def build_model(w: Workload) -> torch.nn.Module:
-    import transformers
+    """The plain transformers model of ``w``, the same on every rank and every side (built as
+    ``tessera bench hf`` builds its LLaMA)."""
+    from tessera.bench import hf
 
-    config = transformers.LlamaConfig(
-        vocab_size=w.vocab, hidden_size=w.hidden, intermediate_size=w.intermediate, num_hidden_layers=w.layers,
-        num_attention_heads=w.heads, num_key_value_heads=w.kv_heads, max_position_embeddings=w.seq,
-    )  # fmt: skip
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config)
+    fields = ("vocab", "hidden", "layers", "heads", "kv_heads", "intermediate", "seq")
+    return hf.build_model(hf.Workload(**{name: getattr(w, name) for name in fields}))
 
 
 def loss_of(output: Any, targets: torch.Tensor) -> torch.Tensor:

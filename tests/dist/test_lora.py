@@ -73,6 +73,19 @@ def optimizer_of(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-3)
 
 
+def train_plainly(model: torch.nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+    """AdamW steps of ``model`` in this process, one per batch; the losses."""
+    optimizer = optimizer_of(model)
+    losses = []
+    for x, y in data:
+        optimizer.zero_grad()
+        loss = loss_of(model(input_ids=x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
 def peft_reference(family: str) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Single-process PEFT: the losses, the adapters' final values (tessera's names) and the base."""
     base = build(family)
@@ -87,14 +100,7 @@ def peft_reference(family: str) -> tuple[list[float], dict[str, torch.Tensor], d
         for key, value in start.items():
             layer, factor = key.rsplit(".", 1)
             getattr(layers[layer], factor)["default"].weight.copy_(value)
-    optimizer = optimizer_of(model)
-    losses = []
-    for x, y in batches():
-        optimizer.zero_grad()
-        loss = loss_of(model(input_ids=x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    losses = train_plainly(model, batches())
     adapters = {k: getattr(layers[k.rsplit(".", 1)[0]], k.rsplit(".", 1)[1])["default"].weight.detach() for k in start}
     return losses, adapters, {k: v.detach().clone() for k, v in build(family).state_dict().items()}
 
@@ -119,14 +125,7 @@ def test_lora_in_one_process_trains_as_peft():
     for family in ("gpt2", "llama"):
         expected_losses, expected_adapters, base = peft_reference(family)
         model = adapted(family)
-        optimizer = optimizer_of(model)
-        losses = []
-        for x, y in batches():
-            optimizer.zero_grad()
-            loss = loss_of(model(input_ids=x), y)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
+        losses = train_plainly(model, batches())
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), **TOL)
         state = model.state_dict()
         for key, value in expected_adapters.items():
@@ -277,14 +276,7 @@ def test_a_peft_folder_loads_into_pipeline_and_tensor_parallelism_and_trains_on_
                 param.copy_(torch.randn(param.shape, generator=g) * 0.1)
     folder = str(tmp_path / "peft")
     peft_model.save_pretrained(folder)
-    optimizer = optimizer_of(peft_model)
-    expected = []
-    for x, y in batches()[3:8]:
-        optimizer.zero_grad()
-        loss = loss_of(peft_model(input_ids=x), y)
-        loss.backward()
-        optimizer.step()
-        expected.append(loss.item())
+    expected = train_plainly(peft_model, batches()[3:8])
     for losses in pools.run(4, continue_from, "pp2-tp2", folder, timeout=300):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), **TOL)
 
@@ -312,14 +304,7 @@ def quantized_run(layout: str | None):
     ctx = use_layout(**LAYOUTS[layout]) if layout is not None else None
     model = quantize(adapted("llama"), "nf4", double_quant=True)
     if ctx is None:
-        optimizer = optimizer_of(model)
-        losses = []
-        for x, y in batches():
-            optimizer.zero_grad()
-            loss = loss_of(model(input_ids=x), y)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
+        losses = train_plainly(model, batches())
         return losses, {k: v.detach().clone() for k, v in model.state_dict().items() if ".lora_" in k}
     engine, *_ = tessera.initialize(model, optimizer_of(model), loss_of)
     per_rank = BATCH // ctx.size("data")
