@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tessera.checkpoint.full import full_state_dict, load_full_state_dict, save_weights
-from tessera.context import get_context
+from tessera.context import get_context, has_context
 from tessera.errors import ConfigError
 from tessera.files import write_atomically
 from tessera.lora import LoraOptions, adapters, apply
@@ -45,7 +45,7 @@ def save_adapters(source: Any, folder: str | Path, base_model: str | None = None
         raise ConfigError("the model has no LoRA adapters to save (tessera.lora.apply puts them on)")
     state = full_state_dict(source, select=_is_adapter_key)
     folder = Path(folder)
-    if _is_writer():
+    if not has_context() or get_context().rank == 0:  # one process, or rank 0 writes
         first = layers[0][1]
         config = {
             "peft_type": "LORA",
@@ -65,13 +65,6 @@ def save_adapters(source: Any, folder: str | Path, base_model: str | None = None
         save_weights({_PREFIX + key: value.contiguous() for key, value in state.items()}, folder / WEIGHTS)
         write_atomically(folder / CONFIG, json.dumps(config, indent=2) + "\n")
     return folder
-
-
-def _is_writer() -> bool:
-    try:
-        return get_context().rank == 0
-    except Exception:  # no parallel context: one process
-        return True
 
 
 def read_adapters(folder: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

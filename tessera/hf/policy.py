@@ -76,7 +76,9 @@ def swap(
     old = root.get_submodule(name)
     rebase = getattr(old, "rebase", None)
     if rebase is not None:
+        inner = old.get_submodule("base_layer")
         replaced.update(rebase(make))  # type: ignore[arg-type]
+        _record(inner, old.get_submodule("base_layer"), replaced)
         return old
     new = make(old)
     _record(old, new, replaced)

@@ -27,13 +27,12 @@ from torch import nn
 
 from tessera.hf.grid import GridHead, GridLinear
 from tessera.hf.layers import ColumnParallel, RowParallel, VocabHead, is_conv1d
+from tessera.lora.quant import dequantize_weight, quantize_weight
 from tessera.parallel.tensor.tp1d.layers import Classifier1D, Linear1D_Col, Linear1D_Row, VocabParallelClassifier1D
 from tessera.parallel.tensor.tp2d.layers import Classifier2D, Linear2D
 from tessera.parallel.tensor.tp3d.layers import Classifier3D, Linear3D, VocabParallelClassifier3D
 
 __all__ = ["QuantReport", "dequantize_weight", "output_dim", "quantize_int8", "quantize_weight"]
-
-QMAX = 127  # symmetric: -128 is left out so that q and -q are both representable
 
 # Linear layers whose weight is [out, in] (or this rank's block of it): the 2D and 2.5D classes
 # (Linear2p5D, VocabParallelClassifier2D, ...) subclass Linear2D or Classifier2D.
@@ -72,22 +71,6 @@ class QuantReport:
             f"int8: {len(self.quantized)} linear layers quantized, {len(self.skipped)} weights kept; "
             f"{self.bytes_before / mib:.1f} MiB -> {self.bytes_after / mib:.1f} MiB"
         )
-
-
-def quantize_weight(weight: torch.Tensor, out_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight`` ``[out, in]`` (``out_dim=0``) or ``[in, out]`` (``out_dim=1``) -> ``(q, scale)``:
-    ``q`` int8 of the same shape, ``scale [out]`` float32, symmetric per output channel."""
-    w = weight.detach().float()
-    in_dim = 1 - out_dim
-    scale = w.abs().amax(dim=in_dim) / QMAX
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero channel (padding): q = 0
-    q = torch.round(w / scale.unsqueeze(in_dim)).clamp_(-QMAX, QMAX).to(torch.int8)
-    return q, scale
-
-
-def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, out_dim: int) -> torch.Tensor:
-    """``q * scale`` along the output channels: float32 of ``q``'s shape."""
-    return q.float() * scale.float().unsqueeze(1 - out_dim)
 
 
 def output_dim(module: nn.Module) -> int | None:

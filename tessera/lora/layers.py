@@ -29,7 +29,7 @@ from torch import nn
 from tessera import comm
 from tessera.errors import ConfigError
 from tessera.parallel.tensor.common import ShardSpec, local_range, shard_parameter
-from tessera.parallel.tensor.tp1d.functional import SEQ_DIM, TENSOR
+from tessera.parallel.tensor.tp1d.functional import TENSOR, row_parallel_linear
 
 INITS = ("default", "gaussian", "zeros")
 
@@ -79,7 +79,6 @@ class LoraLinear(nn.Module):
         self.lora_B = nn.Linear(rank, self.out_features, bias=False)
         self.enabled = True
         self.split = "none"  # how the adapter is split over the tensor group: "none", "column", "row"
-        self.ctx: Any = None
         self._group: Any = None  # the tensor group, once split
         with torch.no_grad():
             if init == "default":
@@ -93,41 +92,32 @@ class LoraLinear(nn.Module):
     # ---- splitting with the base -----------------------------------------------------------------
     def rebase(self, make: Callable[[nn.Module], nn.Module]) -> dict[int, torch.Tensor]:
         """The base becomes ``make(base)`` (its tensor-parallel stand-in, holding its ``ctx``)
-        and the adapter is split with it (module docstring). Returns the replaced parameters
-        (old id -> new), for the optimizer to follow."""
+        and the adapter is split with it (module docstring). Returns the adapter's replaced
+        parameters (old id -> new), for the optimizer to follow (the caller records the base's)."""
         if type(self.base_layer).__name__ == "QuantizedLinear":
             raise ConfigError(
                 "a quantized frozen base cannot be split by tensor parallelism (its codes are blocks of the "
                 "whole weight); layouts that train it: data parallelism, ZeRO 1-3 and Gemini (parallel.tensor.size=1)"
             )
-        before = dict(self.base_layer.named_parameters(recurse=False))
         new_base = make(self.base_layer)
         kind = type(new_base).__name__
         ctx: Any = new_base.ctx
-        group = ctx.group(TENSOR)
-        old = {"A": self.lora_A.weight, "B": self.lora_B.weight}
-        if kind == "ColumnParallel":
+        if kind == "ColumnParallel":  # B split on out as the base (each fused part on its own); A whole
+            split, whole = self.lora_B, self.lora_A
             groups: Any = new_base.groups
             spec = ShardSpec((self.out_features, self.rank), ((TENSOR,), ()), (groups, 1))
-            self.lora_B.weight = shard_parameter(self.lora_B.weight, spec, ctx)
-            self.split = "column"
-        elif kind == "RowParallel":
+        elif kind == "RowParallel":  # A split on in as the base; B whole
+            split, whole = self.lora_A, self.lora_B
             spec = ShardSpec((self.rank, self.in_features), ((), (TENSOR,)))
-            self.lora_A.weight = shard_parameter(self.lora_A.weight, spec, ctx)
-            self.split = "row"
         else:
             raise TypeError(f"LoRA adapters do not yet follow a base split as {kind}")
-        for p in new_base.parameters():
-            p.requires_grad_(False)
-        self.base_layer, self.ctx, self._group = new_base, ctx, group
+        old = split.weight
+        split.weight = shard_parameter(old, spec, ctx)
+        self.split = "column" if kind == "ColumnParallel" else "row"
+        self.base_layer, self._group = new_base, ctx.group(TENSOR)
         # the whole factor's gradient is partial on each rank (it sees this rank's part): summed
-        (self.lora_A if self.split == "column" else self.lora_B).weight.register_hook(self._summed)
-        new = {"A": self.lora_A.weight, "B": self.lora_B.weight}
-        replaced = {id(old[k]): new[k] for k in old if new[k] is not old[k]}
-        for name, param in new_base.named_parameters(recurse=False):
-            if name in before and before[name] is not param:
-                replaced[id(before[name])] = param
-        return replaced
+        whole.weight.register_hook(self._summed)
+        return {id(old): split.weight}
 
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -150,21 +140,16 @@ class LoraLinear(nn.Module):
         """The row-parallel base's arithmetic with the adapter's part added before the sum."""
         base: Any = self.base_layer
         group = self._group
-        weight = base.weight.t() if base.transposed else base.weight
         _, valid = local_range(self.in_features, group.size, group.rank)
-        x_adapter = x
-        if valid < weight.shape[1]:  # padding columns: cut for the base, zeros for the adapter's A block
-            x, weight = x.narrow(-1, 0, valid), weight.narrow(1, 0, valid)
-            x_adapter = F.pad(x, (0, self.lora_A.weight.shape[1] - valid))
-        partial = F.linear(x, weight) + self._adapter(x_adapter)
-        bias = base.bias
-        if base.sequence_parallel:
-            y = comm.reduce_scatter_forward_all_gather_backward(partial, group, dim=SEQ_DIM)
-            if bias is not None:
-                bias = comm.copy_forward_all_reduce_backward(bias, group)
-        else:
-            y = comm.all_reduce_forward_copy_backward(partial, group)
-        return y if bias is None else y + bias
+        width = self.lora_A.weight.shape[1]  # this rank's block of A, padded as the base's
+
+        def adapter(x: torch.Tensor) -> torch.Tensor:  # padding columns: zeros for A's block
+            return self._adapter(F.pad(x, (0, width - x.shape[-1])) if x.shape[-1] < width else x)
+
+        weight = base.weight.t() if base.transposed else base.weight
+        return row_parallel_linear(
+            x, weight, base.bias, group, valid_in=valid, sequence_parallel=base.sequence_parallel, adapter=adapter
+        )
 
     def extra_repr(self) -> str:
         return f"rank={self.rank}, alpha={self.alpha}, split={self.split}, enabled={self.enabled}"

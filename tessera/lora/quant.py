@@ -1,6 +1,7 @@
 """Quantized frozen bases in plain PyTorch: int8 per output channel and 4-bit NormalFloat (NF4,
 Dettmers et al., 2023) with blockwise absmax scales, optionally double-quantized. The codes are
-dequantized to the compute dtype at each use; nothing is compiled.
+dequantized to the compute dtype at each use; nothing is compiled. The int8 primitives
+(:func:`quantize_weight`) are also the serving quantizer's (``tessera.inference.quantize``).
 
 - int8: ``W[o, :] ~ code[o, :] * scale[o]``, ``scale[o] = max|W[o, :]| / 127``, codes rounded to
   nearest in ``[-127, 127]``.
@@ -41,16 +42,28 @@ def _nf4_levels() -> torch.Tensor:
 NF4_LEVELS = _nf4_levels()
 
 
+QMAX = 127  # symmetric: -128 is left out so that q and -q are both representable
+
+
+def quantize_weight(weight: torch.Tensor, out_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` ``[out, in]`` (``out_dim=0``) or ``[in, out]`` (``out_dim=1``) -> ``(q, scale)``:
+    ``q`` int8 of the same shape, ``scale [out]`` float32, symmetric per output channel."""
+    w = weight.detach().float()
+    in_dim = 1 - out_dim
+    scale = w.abs().amax(dim=in_dim) / QMAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero channel (padding): q = 0
+    q = torch.round(w / scale.unsqueeze(in_dim)).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, scale
+
+
+def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, out_dim: int) -> torch.Tensor:
+    """``q * scale`` along the output channels: float32 of ``q``'s shape."""
+    return q.float() * scale.float().unsqueeze(1 - out_dim)
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes int8 [out, in], scales fp32 [out])`` of a ``[out, in]`` weight."""
-    w = weight.detach().float()
-    scales = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127
-    codes = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-    return codes, scales
-
-
-def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return (codes.float() * scales[:, None]).to(dtype)
+    return quantize_weight(weight, 0)
 
 
 def quantize_nf4(weight: torch.Tensor, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,7 +176,7 @@ class QuantizedLinear(nn.Module):
         """The dequantized ``[out, in]`` weight."""
         shape = (self.out_features, self.in_features)
         if self.fmt == "int8":
-            return dequantize_int8(self.codes, self.scales, dtype)
+            return dequantize_weight(self.codes, self.scales, 0).to(dtype)
         if self.double_quant:
             absmax = dequantize_absmax(self.absmax_codes, self.absmax_scales, self.absmax_mean)
         else:
@@ -194,4 +207,14 @@ def quantize(model: nn.Module, fmt: str = "nf4", *, block: int = 64, double_quan
     return model
 
 
-__all__ = ["FORMATS", "NF4_LEVELS", "QuantizedLinear", "quantize", "quantize_int8", "quantize_nf4"]
+__all__ = [
+    "FORMATS",
+    "NF4_LEVELS",
+    "QMAX",
+    "QuantizedLinear",
+    "dequantize_weight",
+    "quantize",
+    "quantize_int8",
+    "quantize_nf4",
+    "quantize_weight",
+]

@@ -27,6 +27,8 @@ the ``nn.Module`` layers are in :mod:`tessera.parallel.tensor.tp1d.layers`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -116,13 +118,15 @@ def row_parallel_linear(
     *,
     valid_in: int | None = None,
     sequence_parallel: bool = False,
+    adapter: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``x [..., in/P]`` times this rank's columns ``weight [out, in/P]``, summed over the group ->
     ``[..., out]`` replicated (with ``sequence_parallel`` reduce-scattered to ``[b, s/P, out]``).
 
     ``valid_in``: the unpadded columns of this rank's block; padded ones are cut off, so whatever
     the input holds there, the padded weight columns get no gradient. ``bias`` (replicated) is
-    added after the reduction.
+    added after the reduction. ``adapter``: a further partial product of the (unpadded) input,
+    added before the sum so that one collective sums both (a LoRA adapter's, ``tessera.lora``).
     """
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"row-parallel linear: input has {x.shape[-1]} features, the local weight {weight.shape[1]}")
@@ -131,6 +135,8 @@ def row_parallel_linear(
     if valid_in is not None and valid_in < weight.shape[1]:
         x, weight = x.narrow(-1, 0, valid_in), weight.narrow(1, 0, valid_in)
     partial = F.linear(x, weight)
+    if adapter is not None:
+        partial = partial + adapter(x)
     if sequence_parallel:
         y = comm.reduce_scatter_forward_all_gather_backward(partial, group, dim=SEQ_DIM)
         if bias is not None:  # each rank adds it to its sequence part only: sum its gradient
