@@ -74,7 +74,8 @@ def quantize_nf4(weight: torch.Tensor, block: int = 64) -> tuple[torch.Tensor, t
     padded = F.pad(flat, (0, (-n) % block)).view(-1, block)
     absmax = padded.abs().amax(dim=1)
     scaled = padded / absmax.clamp_min(torch.finfo(torch.float32).tiny)[:, None]
-    codes = (scaled.reshape(-1, 1) - NF4_LEVELS[None, :]).abs().argmin(dim=1).to(torch.uint8)[:n]
+    levels = NF4_LEVELS.to(flat.device)
+    codes = (scaled.reshape(-1, 1) - levels[None, :]).abs().argmin(dim=1).to(torch.uint8)[:n]
     codes = F.pad(codes, (0, n % 2))
     return (codes[0::2] << 4 | codes[1::2]).contiguous(), absmax
 
@@ -122,7 +123,8 @@ class _DequantizedMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad @ ctx.layer.weight_value(ctx.dtype), None
+        # under autocast the output, hence ``grad``, is in the autocast dtype while ``x`` was not
+        return (grad @ ctx.layer.weight_value(grad.dtype)).to(ctx.dtype), None
 
 
 class QuantizedLinear(nn.Module):
