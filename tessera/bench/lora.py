@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 StepFn = Callable[[torch.Tensor, torch.Tensor], float]
 
 FULL, LORA, INT8, NF4 = "tessera full", "tessera lora", "tessera lora int8", "tessera lora nf4"
+NF4_GEMINI = "tessera lora nf4, gemini base on disk"
 PEFT_DDP, PEFT_DS = "PEFT + DDP", "PEFT + DeepSpeed ZeRO-3"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 _MIB = 2**20
@@ -99,8 +100,8 @@ def build_tessera(w: Workload, label: str) -> tuple[StepFn, int]:
     model = build_model(w)
     if label != FULL:
         tessera.lora.apply(model, rank=w.rank, alpha=2.0 * w.rank, targets=TARGETS)
-        if label in (INT8, NF4):
-            quantize(model, "int8" if label == INT8 else "nf4", double_quant=label == NF4)
+        if label in (INT8, NF4, NF4_GEMINI):
+            quantize(model, "int8" if label == INT8 else "nf4", double_quant=label != INT8)
     trained = _trained(model)
     engine, *_ = tessera.initialize(model, torch.optim.AdamW(trained, lr=w.lr), loss_of)
     return (lambda x, y: engine.train_batch(iter([(x, y)]))), sum(p.numel() for p in trained)
@@ -167,7 +168,7 @@ def build_peft_deepspeed(w: Workload, label: str) -> tuple[StepFn, int]:
 
 
 BUILDERS: dict[str, Callable[[Workload, str], tuple[StepFn, int]]] = {
-    FULL: build_tessera, LORA: build_tessera, INT8: build_tessera, NF4: build_tessera,
+    FULL: build_tessera, LORA: build_tessera, INT8: build_tessera, NF4: build_tessera, NF4_GEMINI: build_tessera,
     PEFT_DDP: build_peft_ddp, PEFT_DS: build_peft_deepspeed,
 }  # fmt: skip
 
@@ -178,10 +179,20 @@ def _batches(w: Workload, rank: int, count: int = 4) -> list[tuple[torch.Tensor,
     return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
 
 
-def _layout(w: Workload) -> Any:
+def _layout(w: Workload, label: str = FULL) -> Any:
+    """Data parallelism over ``w.ranks``; for :data:`NF4_GEMINI` under Gemini with the frozen
+    base's shards on disk (each rank's files in a folder of its own under the temporary
+    directory, removed when the side ends)."""
+    import os
+    import tempfile
+
     from tessera.testing import use_layout
 
-    return use_layout(data=w.ranks, config={"parallel": {"data": w.ranks}})
+    config: dict[str, Any] = {"parallel": {"data": w.ranks}}
+    if label == NF4_GEMINI:
+        folder = os.path.join(tempfile.gettempdir(), "tessera-bench-lora")
+        config["gemini"] = {"enabled": True, "frozen_tier": "disk", "offload_dir": folder}
+    return use_layout(data=w.ranks, config=config)
 
 
 def timing_body(w: Workload, labels: list[str], blocks: int, steps: int) -> dict[str, Any]:
@@ -228,7 +239,7 @@ def memory_body(w: Workload, label: str, steps: int) -> dict[str, int] | None:
     from tessera.memory.report import map_large_allocations, peak_rss_bytes, reset_peak_rss, trim_heap
 
     map_large_allocations()  # every side alike: freed buffers go back to the system, the RSS follows what lives
-    ctx = _layout(w)
+    ctx = _layout(w, label)
     data = _batches(w, ctx.rank)
     tiny = replace(w, layers=1, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=256)
     fn, _ = BUILDERS[label](tiny, label)
@@ -322,12 +333,14 @@ def run(
     budget = budget_mib * _MIB
     full_params, full_tried = largest(w, FULL, budget, most=most, pools=pools)
     nf4_params, nf4_tried = largest(w, NF4, budget, most=most, pools=pools)
+    disk_params, disk_tried = largest(w, NF4_GEMINI, budget, most=most, pools=pools)
     if full_params:
-        rows.append(Row(f"largest llama h{w.hidden} under {budget_mib} MiB/rank", "parameters", float(nf4_params),
-                        f"{FULL} (largest fine-tuned whole)", float(full_params)))  # fmt: skip
+        for label, params in ((NF4, nf4_params), (NF4_GEMINI, disk_params)):
+            rows.append(Row(f"largest llama h{w.hidden} under {budget_mib} MiB/rank ({label})", "parameters",
+                            float(params), f"{FULL} (largest fine-tuned whole)", float(full_params)))  # fmt: skip
     if report is not None:
         report.update(errors=timed["errors"], memory=memory, losses=timed["losses"], tried={FULL: full_tried,
-                      NF4: nf4_tried})  # fmt: skip
+                      NF4: nf4_tried, NF4_GEMINI: disk_tried})  # fmt: skip
     return rows
 
 

@@ -48,6 +48,7 @@ def training_options(config: Config) -> TrainingOptions:
             optimizer_offload=g.optimizer_offload,
             precision=mp.dtype,
             map_large_buffers=g.map_large_buffers,
+            frozen_tier=g.frozen_tier,
         )
         if g.active
         else None

@@ -303,6 +303,11 @@ class GeminiConfig:
         "process-wide): the resident set follows the budgets, new activations cost page faults. None: on with a "
         "host_budget.",
     )
+    frozen_tier: Literal["auto", "device", "host", "disk"] = _field(
+        "auto",
+        "Where the shards of frozen weights (a LoRA adapter's base) live between uses: auto (placed as parameters "
+        "are), device, host, or disk (read for each use; needs offload_dir).",
+    )
 
     @property
     def active(self) -> bool:
@@ -319,6 +324,8 @@ class GeminiConfig:
                 raise ConfigError(f"{path}{key}={getattr(self, key)} must be within [0, 1]")
         parse_bytes(self.device_budget, f"{path}device_budget")
         parse_bytes(self.host_budget, f"{path}host_budget")
+        if self.frozen_tier == "disk" and self.offload_dir is None:
+            raise ConfigError(f"{path}frozen_tier='disk' needs the disk tier: give {path}offload_dir")
 
 
 @dataclass(frozen=True)

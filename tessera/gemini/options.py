@@ -19,7 +19,9 @@ class GeminiOptions:
     every allocation of 256 KiB or more its own mapping, returned to the system when freed
     (process-wide; None: when there is a host budget) and trim the heap after each backward
     pass and step, so that the resident set follows what is alive, at the cost of page faults
-    on every new activation."""
+    on every new activation; ``frozen_tier``: where the frozen tensors' shards live (a LoRA
+    adapter's base): ``"auto"`` (placed as parameters are), ``"device"``, ``"host"`` or
+    ``"disk"`` (streamed in for each use; needs ``offload_dir``)."""
 
     placement: Literal["static", "auto"] = "auto"
     device_budget: int | None = None
@@ -32,3 +34,4 @@ class GeminiOptions:
     prefetch: int = 4
     keep_samples: bool = False
     map_large_buffers: bool | None = None
+    frozen_tier: Literal["auto", "device", "host", "disk"] = "auto"

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from tessera.memory.chunks import Chunk
 from tessera.memory.manager import ChunkMemory
 from tessera.memory.tiered_chunk import EMPTY_FOR, TieredChunk
 from tessera.memory.tiers import Part, Residence, Tier, TierLedger
@@ -32,6 +33,8 @@ class Residency:
     states: StreamStates
     _resident: bool
     policy_host_reserve: int
+    frozen_chunks: list[TieredChunk]
+    _frozen_held: dict[int, torch.Tensor]
 
     def _masters(self, parts: dict[str, Part]) -> Part:
         """The part the optimizer steps: the fp32 masters, or in fp32 the parameters."""
@@ -71,6 +74,10 @@ class Residency:
                         held.append(parts["states"])
                         held_states = [(piece, a, b) for piece, _, a, b in self.sharded.pieces[chunk.index]]
                         self.states.bind(held_states, states, chunk.shard_numel)
+                for chunk in self.frozen_chunks:
+                    assert chunk.part is not None
+                    self._frozen_held[id(chunk)] = self.memory.need(chunk.part, Tier.HOST)
+                    held.append(chunk.part)
                 try:
                     yield
                 finally:
@@ -80,6 +87,7 @@ class Residency:
                         self.memory.done(part)
         finally:
             self._resident = False
+            self._frozen_held.clear()
         self.memory.rebalance()
 
     def groups(self) -> list[list[int]]:
@@ -110,7 +118,9 @@ class Residency:
                 for i in indices:
                     part = self._masters(self._parts[i])
                     where = Tier.DEVICE if part.residence is Residence.DEVICE else Tier.HOST
-                    self._view_masters(i, where, fill=False).zero_()  # the padding too: every element has a value
+                    # as packed: a tensor made before (a LoRA adapter beside a deferred base) keeps its
+                    # values, the deferred ones' ranges and the padding are zeros until filled
+                    self._view_masters(i, where)
                     taken.append(part)
                 chosen = set(indices)
                 slot_of = self.sharded._slot_of
@@ -158,3 +168,28 @@ class Residency:
         with self.memory.untraced():
             for parts in self._parts:
                 self._fresh_values(parts)
+            for chunk in self.frozen_chunks:  # their files are out of date
+                assert chunk.part is not None
+                self.memory.dirty(chunk.part)
+
+    def frozen_shard(self, chunk: Chunk) -> torch.Tensor:
+        """A frozen chunk's shard, in host memory inside :meth:`resident` or :meth:`frozen_filling`."""
+        shard = self._frozen_held.get(id(chunk))
+        if shard is None:
+            raise RuntimeError(f"frozen chunk {chunk.index}: its shard is read inside a checkpoint session")
+        return shard
+
+    @contextmanager
+    def frozen_filling(self, chunk: TieredChunk) -> Iterator[None]:
+        """A frozen chunk's shard in host memory inside the block, to be written whole (a
+        deferred model's values); its part takes them after."""
+        part = chunk.part
+        assert part is not None
+        with self.memory.untraced():
+            self._frozen_held[id(chunk)] = self.memory.need(part, Tier.HOST, fill=False)
+            try:
+                yield
+            finally:
+                del self._frozen_held[id(chunk)]
+                self.memory.dirty(part)
+                self.memory.done(part)

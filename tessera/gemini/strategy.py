@@ -83,7 +83,16 @@ class Gemini(Sharded):
         groups = self.residence.groups()
         self.groups_planned = len(groups)
         others = self._unsharded()
-        return [self._group(indices, others if n == 0 else []) for n, indices in enumerate(groups)]
+        trained: list[AbstractContextManager[list[HeldTensor]]] = [
+            self._group(indices, others if n == 0 else []) for n, indices in enumerate(groups)
+        ]
+        return trained + [self._frozen_group(chunk) for chunk in self.residence.frozen_chunks]
+
+    @contextmanager
+    def _frozen_group(self, chunk: Any) -> Iterator[list[HeldTensor]]:
+        """One frozen chunk's pieces (a frozen base is filled a chunk at a time)."""
+        with self.residence.frozen_filling(chunk):
+            yield held_tensors(self.sharded.frozen.pieces(self.residence.frozen_shard, [chunk]))  # type: ignore[arg-type]
 
     @contextmanager
     def _group(self, indices: list[int], others: list[HeldTensor]) -> Iterator[list[HeldTensor]]:

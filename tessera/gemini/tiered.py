@@ -28,6 +28,7 @@ import torch
 
 from tessera import comm
 from tessera.comm import Pending
+from tessera.errors import ConfigError
 from tessera.gemini.options import GeminiOptions
 from tessera.gemini.residence import Residency
 from tessera.memory.budgets import check_budgets, working_set
@@ -41,6 +42,7 @@ from tessera.memory.tiered_chunk import EMPTY_FOR, TieredChunk
 from tessera.memory.tiers import Part, Residence, Tier, TierLedger
 from tessera.optim.norms import norm_from_slot_squares
 from tessera.optim.streams import StreamStates, step_only
+from tessera.zero.frozen import FrozenStore
 from tessera.zero.sharded import Residence as ShardResidence
 from tessera.zero.sharded import ShardedOptimizer
 
@@ -62,6 +64,8 @@ class TieredResidence(Residency, ShardResidence):
             else AutoPolicy()
         )
         self._parts: list[dict[str, Part]] = []
+        self.frozen_chunks: list[TieredChunk] = []
+        self._frozen_held: dict[int, torch.Tensor] = {}  # inside resident(): each frozen chunk's shard
         self._factors: list[torch.Tensor] = []
         self._resident = False
 
@@ -111,6 +115,21 @@ class TieredResidence(Residency, ShardResidence):
             )
         chunk.manage(self.memory, parts["params"])
         return parts
+
+    def attach_frozen(self, frozen: FrozenStore) -> None:
+        """Each frozen chunk's shard becomes a ``frozen`` part, placed in ``options.frozen_tier``
+        (or as the policy places parameters) and brought to the device only while gathered."""
+        tier = {"device": Tier.DEVICE, "host": Tier.HOST, "disk": Tier.DISK}.get(self.options.frozen_tier)
+        if tier is Tier.DISK and self.memory.disk is None:
+            raise ConfigError("gemini.frozen_tier='disk' needs the disk tier: give gemini.offload_dir")
+        self.frozen_chunks = frozen.chunks  # type: ignore[assignment]
+        for chunk in self.frozen_chunks:
+            part = self.memory.add(Part(chunk.index, "frozen", chunk.shard_numel, chunk.shard.dtype, self.ledger))
+            if tier is not None:
+                self.policy.pinned[part.name] = tier
+                chunk.retainable = tier is Tier.DEVICE  # kept off the device: streamed in for each use
+            self.memory.place(part, self.policy.initial(part, self.memory), chunk.shard)
+            chunk.manage(self.memory, part)
 
     def piece_data(self, chunk: Chunk, start: int, end: int) -> torch.Tensor:
         return EMPTY_FOR[self.sharded.ctx.device]  # the pieces view their masters while stepped

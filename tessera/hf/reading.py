@@ -198,15 +198,58 @@ class PretrainedWeights:
     def __init__(self, path: str | Path, module: nn.Module, stored: dict[str, Stored] | None = None) -> None:
         self.folder = Path(path)
         self.where = _match(module, stored if stored is not None else read_folder(self.folder), self.folder)
+        self.module = module
+        self._derived: tuple[str, dict[str, torch.Tensor]] | None = None  # one layer's quantized values
 
     def holds(self, key: str) -> bool:
-        return key in self.where
+        return self._stored(key) is not None or self._quantizing(key) is not None
+
+    def _quantizing(self, key: str) -> tuple[Any, str] | None:
+        """``(layer, its weight's key)`` when ``key`` is a buffer of a layer quantized while
+        loading (a deferred LoRA base, ``tessera.lora.quant``): its values derive from the
+        stored weight."""
+        prefix, _, name = key.rpartition(".")
+        try:
+            layer = self.module.get_submodule(prefix)
+        except AttributeError:
+            return None
+        weight_key = f"{prefix}.weight"
+        frozen: tuple[str, ...] = getattr(layer, "frozen_buffers", ())
+        if not hasattr(layer, "values_from") or name not in frozen or self._stored(weight_key) is None:
+            return None
+        return layer, weight_key
+
+    def _quantized(self, key: str) -> torch.Tensor:
+        """The whole value of quantized buffer ``key``: its layer's stored weight read whole (one
+        layer at a time, never the model) and quantized; kept while the layer's buffers are asked."""
+        found = self._quantizing(key)
+        assert found is not None
+        layer, weight_key = found
+        prefix = weight_key.rpartition(".")[0]
+        if self._derived is None or self._derived[0] != prefix:
+            self._derived = None  # the last layer's values go before this one's are made
+            stored = self._stored(weight_key)
+            assert stored is not None
+            weight = torch.empty(stored.shape, dtype=torch.float32)
+            self.fill(weight_key, [(weight, whole_view(stored.shape))])
+            self._derived = (prefix, layer.values_from(weight))
+        return self._derived[1][key.rpartition(".")[2]]
+
+    def _stored(self, key: str) -> Stored | None:
+        """Where ``key``'s values are; a LoRA adapter's frozen base layer (PEFT's name,
+        ``q_proj.base_layer.weight``) has the plain layer's (``q_proj.weight``)."""
+        return self.where.get(key) or self.where.get(key.replace(".base_layer.", "."))
 
     def fill(self, key: str, targets: list[tuple[torch.Tensor, View]]) -> None:
         """Write the values of tensor ``key`` into each ``(tensor, view)`` of ``targets``."""
         from safetensors import safe_open
 
-        stored = self.where.get(key)
+        stored = self._stored(key)
+        if stored is None and self._quantizing(key) is not None:
+            value = self._quantized(key)
+            for tensor, view in targets:
+                read_view(value, tensor, view)
+            return
         if stored is None:
             raise CheckpointError(f"{self.folder} has no values for {key}")
         path = self.folder / stored.file

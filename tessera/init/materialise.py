@@ -34,6 +34,7 @@ from torch import nn
 
 from tessera.checkpoint.format import CheckpointError, dtype_of, index_entry, read_header
 from tessera.checkpoint.placing import fill
+from tessera.context.placement import placement_of
 from tessera.context.views import View, whole_view
 from tessera.init.recording import DeferredInitError, Recording, Ref, forget
 from tessera.init.replay import replay
@@ -42,6 +43,7 @@ from tessera.memory.report import trim_heap
 from tessera.parallel.strategy import view_of
 
 InitFn = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
+UNRECORDED = -1  # the storage id of a deferred tensor the recording did not make
 
 
 @runtime_checkable
@@ -94,6 +96,8 @@ def capture(module: nn.Module, rec: Recording) -> list[Want]:
     wants = []
     for key, owner, attr, kind, t in module_tensors(module):
         ref = rec.ref_of(t)
+        if ref is None and t.is_meta:  # made on the meta device after the construction (a base
+            ref = Ref(UNRECORDED, t.dtype, tuple(t.shape), tuple(t.stride()), 0)  # quantized while loading)
         if ref is not None:
             wants.append(Want(key, owner, attr, kind, ref, _view(kind, t)))
     return wants
@@ -142,8 +146,8 @@ def materialise(strategy: Any, wants: list[Want], rec: Recording | None, source:
                 if found is not None:
                     found.targets.append((held.tensor, held.view))
             if number == 0:
-                for want in wants:
-                    if want.kind != "parameter" and not want.targets:  # non-persistent buffers, attributes
+                for want in wants:  # non-persistent buffers, attributes (not those a chunk store shards: its pieces)
+                    if want.kind != "parameter" and not want.targets and placement_of(want.live()).storage is None:
                         want.targets.append((want.live(), want.view))
             _fill(strategy, [w for w in wants if w.targets], rec, source, consume=last)
     strategy.checkpoint_loaded()
@@ -156,6 +160,12 @@ def _fill(strategy: Any, wants: list[Want], rec: Recording | None, source: Sourc
     recording: no group follows)."""
     if isinstance(source, ValueSource):
         lacking = [w for w in wants if not source.holds(w.key)]  # made by the construction, or kept
+        unmade = [w.key for w in lacking if w.ref.sid == UNRECORDED]
+        if unmade:
+            raise DeferredInitError(
+                f"{', '.join(unmade[:4])}{' ...' if len(unmade) > 4 else ''}: made on the meta device after the "
+                "deferred construction, and the source of values has none for them"
+            )
         for want in wants:
             if source.holds(want.key):
                 source.fill(want.key, want.targets)

@@ -132,6 +132,8 @@ class QuantizedLinear(nn.Module):
     input's dtype at each forward. Built from an ``nn.Linear`` or a transformers ``Conv1D``
     (whose ``[in, out]`` weight is stored as ``[out, in]``); its bias stays as it was, frozen."""
 
+    #: the buffers that are the frozen weight: sharded and released between uses under ZeRO-3 and Gemini
+    frozen_buffers = ("codes", "scales", "absmax", "absmax_codes", "absmax_scales", "absmax_mean")
     codes: torch.Tensor
     scales: torch.Tensor
     absmax: torch.Tensor
@@ -147,32 +149,30 @@ class QuantizedLinear(nn.Module):
         conv1d = type(layer).__name__ == "Conv1D" and hasattr(layer, "nf")
         if not conv1d and not isinstance(layer, nn.Linear):
             raise TypeError(f"{type(layer).__name__} is not a linear layer to quantize")
-        if layer.weight.is_meta:
-            raise ConfigError(
-                "quantizing a base that is not made yet (deferred initialisation) is not supported yet: "
-                "build the model whole first (model.deferred=false)"
-            )
         weight = layer.weight.detach().t() if conv1d else layer.weight.detach()  # [out, in]
         self.out_features: int = weight.shape[0]
         self.in_features: int = weight.shape[1]
-        self.fmt, self.block, self.double_quant = fmt, block, double_quant
+        self.fmt, self.block, self.double_quant, self.conv1d = fmt, block, double_quant, conv1d
         self.bias = layer.bias
         if self.bias is not None:
             self.bias.requires_grad_(False)
-        if fmt == "int8":
-            codes, scales = quantize_int8(weight)
-            self.register_buffer("codes", codes)
-            self.register_buffer("scales", scales)
-        else:
-            packed, absmax = quantize_nf4(weight, block)
-            self.register_buffer("codes", packed)
-            if double_quant:
-                a_codes, a_scales, mean = quantize_absmax(absmax)
-                self.register_buffer("absmax_codes", a_codes)
-                self.register_buffer("absmax_scales", a_scales)
-                self.register_buffer("absmax_mean", mean)
-            else:
-                self.register_buffer("absmax", absmax)
+        # a base not made yet (deferred initialisation) gets codes of the right shapes on the
+        # meta device: a loader fills them from the stored weight (values_from), shard by shard
+        for name, value in self.values_from(layer.weight.detach()).items():
+            self.register_buffer(name, value)
+
+    def values_from(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """This layer's buffers quantized from ``weight`` as its base stores it (``[in, out]``
+        for a ``Conv1D``): what a loader writes to quantize while loading, one layer at a time."""
+        w = weight.t() if self.conv1d else weight
+        if self.fmt == "int8":
+            codes, scales = quantize_int8(w)
+            return {"codes": codes, "scales": scales}
+        packed, absmax = quantize_nf4(w, self.block)
+        if not self.double_quant:
+            return {"codes": packed, "absmax": absmax}
+        a_codes, a_scales, mean = quantize_absmax(absmax)
+        return {"codes": packed, "absmax_codes": a_codes, "absmax_scales": a_scales, "absmax_mean": mean}
 
     def weight_value(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dequantized ``[out, in]`` weight."""

@@ -301,7 +301,7 @@ class ChunkStore:
 class WholeStateDict:
     """``module.state_dict()`` and ``module.load_state_dict()`` with whole tensors although
     ``module``'s parameters are views into chunks that are released between uses
-    (``chunk_of``: a parameter's id to its chunk).
+    (``chunk_of``: a parameter's, or a buffer's, id to its chunk).
 
     Hooks on every module holding such a parameter (and on their ancestors): before a module's
     entries are written or read, its chunks are gathered; after them, a saved entry that views
@@ -324,8 +324,8 @@ class WholeStateDict:
         self._own: dict[int, list[Chunk]] = {}  # id(module) -> chunks of its own parameters
         hooked: set[int] = set()
         for path, m in module.named_modules(remove_duplicate=False):  # a shared module: every path
-            own = {id(self._chunk_of[id(p)]): self._chunk_of[id(p)] for p in m.parameters(recurse=False)
-                   if id(p) in self._chunk_of}  # fmt: skip
+            own = {id(self._chunk_of[id(t)]): self._chunk_of[id(t)] for _, t in _own_tensors(m)
+                   if id(t) in self._chunk_of}  # fmt: skip
             if own:
                 self._own[id(m)] = list(own.values())
                 hooked.update(id(a) for a in _ancestors(module, path))
@@ -356,7 +356,7 @@ class WholeStateDict:
     def _after_save(self, module: nn.Module, state: dict[str, Any], prefix: str) -> None:
         if not self._follows(module, "save"):
             return  # keep_vars=True
-        for name, p in module.named_parameters(recurse=False, remove_duplicate=False):
+        for name, p in _own_tensors(module):
             chunk = self._chunk_of.get(id(p))
             key = prefix + name
             if chunk is None or chunk.keep_full or key not in state:
@@ -424,6 +424,11 @@ class WholeStateDict:
         self._touched.clear()
         self._gathered.clear()
         self._copies.clear()
+
+
+def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``module``'s own parameters and buffers (a frozen base's quantized codes live in chunks too)."""
+    return [*module.named_parameters(recurse=False, remove_duplicate=False), *module.named_buffers(recurse=False)]
 
 
 def _ancestors(root: nn.Module, path: str) -> list[nn.Module]:

@@ -19,7 +19,7 @@ from tessera.memory.budgets import WorkingSet
 from tessera.memory.manager import ChunkMemory
 from tessera.memory.tiers import BudgetError, Part, Residence, Tier
 
-PARAM_KINDS = ("params",)
+PARAM_KINDS = ("params", "frozen")  # "frozen": a frozen chunk's shard (no masters, gradients or states)
 OPTIMIZER_KINDS = ("master", "states", "grads")
 
 
@@ -36,6 +36,7 @@ class StaticPolicy:
         self.params_offload = params_offload
         self.optimizer_offload = optimizer_offload
         self._home: dict[str, Tier] = {}
+        self.pinned: dict[str, Tier] = {}  # parts whose home is given (a frozen base's tier)
         self._nchunks = 0
         self._room: dict[Tier, float] = {Tier.DEVICE: 0.0, Tier.HOST: 0.0}
 
@@ -69,7 +70,7 @@ class StaticPolicy:
         """Homes are fixed: activations take what the homes leave."""
 
     def home(self, part: Part) -> Tier | None:
-        home = self._home.get(part.name)
+        home = self.pinned.get(part.name) or self._home.get(part.name)
         if home is None:  # homes are given as parts appear (optimizer states at the first step)
             share = self.params_offload if part.kind in PARAM_KINDS else self.optimizer_offload
             on_device = part.chunk < math.ceil((1.0 - share) * self._nchunks)
@@ -97,6 +98,7 @@ class AutoPolicy:
     def __init__(self) -> None:
         self.reserve = 0  # device bytes kept free for working buffers (and activations)
         self.host_reserve = 0  # host bytes kept free for parts passing through
+        self.pinned: dict[str, Tier] = {}  # parts whose home is given (a frozen base's tier)
 
     def configure(self, need: WorkingSet, device_budget: int | None, host_budget: int | None) -> None:
         """Keep the working set's room free in each tier."""
@@ -154,7 +156,9 @@ class AutoPolicy:
 
     def initial(self, part: Part, memory: ChunkMemory) -> Tier:
         """The first tier with room for ``part`` (device, host, disk), keeping ``reserve``
-        bytes of the device free for working buffers."""
+        bytes of the device free for working buffers; a pinned part: its home."""
+        if part.name in self.pinned:
+            return self.pinned[part.name]
         if memory.ledger.free(Tier.DEVICE) - self.reserve >= part.nbytes:
             return Tier.DEVICE
         if memory.ledger.free(Tier.HOST) - self.host_reserve >= part.nbytes or memory.disk is None:
@@ -162,7 +166,7 @@ class AutoPolicy:
         return Tier.DISK
 
     def home(self, part: Part) -> Tier | None:
-        return None
+        return self.pinned.get(part.name)
 
     def victim(self, tier: Tier, candidates: Sequence[Part], memory: ChunkMemory) -> Part | None:
         return furthest(candidates, memory)

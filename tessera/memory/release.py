@@ -7,7 +7,9 @@ every module using it has run in this pass. Backward: a hook on the module's out
 its chunks again (and prefetches those of the module that ran before it); a chunk is released as soon as
 all its parameters have their gradients, which is also when their reduce-scatter starts.
 Every chunk is thus gathered once in forward and once in backward, and reduce-scattered once:
-3P communicated per step. Autograd's saved views of a weight see the data again after the
+3P communicated per step. A chunk of frozen tensors (``frozen``: no gradient ever arrives for
+them) is released in the backward once the gradients of the inputs of every module that used it
+are computed, the point after which nothing reads it again. Autograd's saved views of a weight see the data again after the
 re-gather because a release only shrinks the storage (see ``tessera.memory.chunks``).
 """
 
@@ -28,13 +30,23 @@ def _recomputing() -> bool:
 
 
 class ReleaseOnUse:
-    """Gather/release hooks on ``model`` for the chunks of ``store`` (``slot_of``: a parameter's
-    id to its chunk and slot). The sharded optimizer releases a chunk once its gradients are
-    reduced; the hooks gather it again when a module needs it."""
+    """Gather/release hooks on ``model`` for the chunks of ``stores`` (``slot_of``: a parameter's,
+    or buffer's, id to its chunk and slot). The sharded optimizer releases a trainable chunk once
+    its gradients are reduced; a chunk of ``frozen`` (ids of chunks without gradients) is
+    released after the backward of its last user; the hooks gather a chunk again when a module
+    needs it."""
 
-    def __init__(self, model: nn.Module, store: ChunkStore, slot_of: dict[int, tuple[Chunk, Slot]]) -> None:
-        self.store = store
+    def __init__(
+        self,
+        model: nn.Module,
+        stores: list[ChunkStore],
+        slot_of: dict[int, tuple[Chunk, Slot]],
+        frozen: set[int] = frozenset(),  # type: ignore[assignment]
+    ) -> None:
+        self.chunks = [c for store in stores for c in store.chunks]
         self._slot_of = slot_of
+        self._frozen = frozen
+        self._backward_users: dict[int, int] = {}  # frozen chunk -> modules whose backward has not passed it
         self._users: dict[int, int] = {}  # chunk index -> modules that use it directly
         self._left: dict[int, int] = {}  # per pass: users that have not run yet
         self._calls: list[list[Chunk]] = []  # the chunks of each module call of the first forward, in order
@@ -43,7 +55,7 @@ class ReleaseOnUse:
         self._backward_queued = False
         self._installed = False  # the per-module hooks go on when the first pass begins
         model.register_forward_pre_hook(self._begin_pass)
-        for chunk in self.store.chunks:
+        for chunk in self.chunks:
             chunk.release()
 
     def _install(self, model: nn.Module) -> None:
@@ -55,17 +67,17 @@ class ReleaseOnUse:
             if not chunks:
                 continue
             for c in chunks:
-                self._users[c.index] = self._users.get(c.index, 0) + 1
+                self._users[id(c)] = self._users.get(id(c), 0) + 1
             module.register_forward_pre_hook(self._make_pre_forward(chunks))
             module.register_forward_hook(self._make_post_forward(chunks))
         model.register_forward_hook(self._end_pass)
 
     def _chunks_of(self, module: nn.Module) -> list[Chunk]:
         found: dict[int, Chunk] = {}
-        for p in module.parameters(recurse=False):
-            where = self._slot_of.get(id(p))
+        for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            where = self._slot_of.get(id(t))
             if where is not None:
-                found[where[0].index] = where[0]
+                found[id(where[0])] = where[0]
         return list(found.values())
 
     # ---- forward -----------------------------------------------------------------------------
@@ -81,7 +93,7 @@ class ReleaseOnUse:
 
     def _end_pass(self, module: nn.Module, args: Any, output: Any) -> None:
         self._recording = False
-        for chunk in self.store.chunks:
+        for chunk in self.chunks:
             chunk.release()
 
     def _gather(self, chunks: list[Chunk], backward: bool = False) -> None:
@@ -114,11 +126,12 @@ class ReleaseOnUse:
             if _recomputing():  # released with their gradients, as after the backward reached them
                 return
             for c in chunks:
-                self._left[c.index] = self._left.get(c.index, 0) - 1
-                if self._left[c.index] == 0:
+                self._left[id(c)] = self._left.get(id(c), 0) - 1
+                if self._left[id(c)] == 0:
                     c.release()
             if torch.is_grad_enabled():
                 self._hook_outputs(output, chunks)
+                self._hook_inputs(args, [c for c in chunks if id(c) in self._frozen])
 
         return post_forward
 
@@ -140,8 +153,31 @@ class ReleaseOnUse:
         for t in tensors:
             t.register_hook(before_backward)
 
+    def _hook_inputs(self, args: Any, frozen: list[Chunk]) -> None:
+        """Release ``frozen`` chunks once the gradients of ``args`` (the module's inputs) are
+        computed and no other module's backward still needs them."""
+        tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not frozen or not tensors:
+            return
+        for c in frozen:
+            self._backward_users[id(c)] = self._backward_users.get(id(c), 0) + 1
+        fired = [False]
+
+        def after_backward(grad: torch.Tensor) -> torch.Tensor:
+            if not fired[0]:
+                fired[0] = True
+                for c in frozen:
+                    self._backward_users[id(c)] -= 1
+                    if self._backward_users[id(c)] == 0:
+                        c.release()
+            return grad
+
+        for t in tensors:
+            t.register_hook(after_backward)
+
     def _end_backward(self) -> None:
         self._backward_queued = False
-        for chunk in self.store.chunks:
+        self._backward_users.clear()
+        for chunk in self.chunks:
             if chunk.state is not ChunkState.SHARDED:
                 chunk.release()

@@ -35,6 +35,7 @@ class TieredChunk(Chunk):
     memory: ChunkMemory | None = None
     part: Part | None = None
     _counted = False
+    retainable = True  # may stay gathered after use while the device has room (not a base kept off it)
 
     def manage(self, memory: ChunkMemory, part: Part) -> None:
         if self.state is not ChunkState.SHARDED:
@@ -79,7 +80,7 @@ class TieredChunk(Chunk):
 
     def release(self) -> None:
         memory = self.memory
-        if memory is not None and memory.retaining and self.state is ChunkState.GATHERED:
+        if memory is not None and memory.retaining and self.retainable and self.state is ChunkState.GATHERED:
             memory.retain(self)  # kept gathered for the backward pass while the device has room
             return
         if memory is not None:

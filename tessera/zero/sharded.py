@@ -39,6 +39,7 @@ from tessera.memory.deferred import set_data
 from tessera.memory.release import ReleaseOnUse
 from tessera.memory.search import packing_labels
 from tessera.optim.wrapping import WrapsOptimizer, optimizer_entries
+from tessera.zero.frozen import FrozenStore
 from tessera.zero.gradients import GradientPipeline, GradientSink
 from tessera.zero.policy import ZeroPolicy
 
@@ -68,6 +69,13 @@ class Residence(GradientSink):
 
     def attach(self) -> None:
         """The chunks are packed and the optimizer holds the pieces: make the parts."""
+
+    def attach_frozen(self, frozen: FrozenStore) -> None:
+        """The frozen tensors are packed (ZeRO-3, Gemini): place their shards. Default: where they are."""
+
+    def frozen_shard(self, chunk: Chunk) -> torch.Tensor:
+        """Where a frozen chunk's shard is now (inside :meth:`resident`)."""
+        return chunk.shard
 
     def grad_norm(self) -> torch.Tensor:
         raise NotImplementedError
@@ -190,11 +198,26 @@ class ShardedOptimizer(GradientPipeline, WrapsOptimizer):
         self._install_pieces(entries)
         residence.attach()
         self._start_gradients(model)
-        self._release = ReleaseOnUse(model, self.store, self._slot_of) if policy.release_parameters else None
+        # under parameter release the frozen tensors are sharded and released too (no gradient, master or state)
+        self.frozen = FrozenStore(
+            model, ctx, chunk_numel=self.chunk_numel, storage=self, chunk_type=residence.chunk_type
+        ) if policy.release_parameters else FrozenStore.empty()  # fmt: skip
+        residence.attach_frozen(self.frozen)
+        self._release = (
+            ReleaseOnUse(model, [self.store, *self.frozen.stores], {**self._slot_of, **self.frozen.slot_of},
+                         frozen={id(c) for c in self.frozen.chunks})
+            if policy.release_parameters else None
+        )  # fmt: skip
         # model.state_dict() gathers released chunks and returns copies; model.load_state_dict()
         # reaches the shards and the masters
         chunk_of = {key: chunk for key, (chunk, _) in self._slot_of.items()}
-        self._state_dicts = WholeStateDict(model, chunk_of, on_loaded=residence.master_from_params)
+        frozen_ids = {id(c) for c in self.frozen.chunks}
+
+        def loaded(chunk: Chunk) -> None:
+            if id(chunk) not in frozen_ids:
+                residence.master_from_params(chunk)
+
+        self._state_dicts = WholeStateDict(model, {**chunk_of, **self.frozen.chunk_of()}, on_loaded=loaded)
 
     def _install_pieces(self, entries: list[tuple[str, nn.Parameter]]) -> None:
         """Replace the optimizer's parameters by this rank's pieces of them (state is reset:
@@ -268,7 +291,7 @@ class ShardedOptimizer(GradientPipeline, WrapsOptimizer):
     def gathered(self) -> Iterator[None]:
         """Every parameter readable inside the block (released chunks are gathered, then released
         again; budgets are lifted for it: a full state is whole on every rank by definition)."""
-        with self.residence.lifted(), self.store.gathered():
+        with self.residence.lifted(), self.store.gathered(), self.frozen.gathered():
             yield
 
     def params_loaded(self) -> None:
@@ -277,6 +300,8 @@ class ShardedOptimizer(GradientPipeline, WrapsOptimizer):
         for chunk in self.chunks:
             chunk.scatter_from_full()
             self.residence.master_from_params(chunk)
+        for chunk in self.frozen.chunks:
+            chunk.scatter_from_full()
 
     def held_pieces(self) -> list[tuple[str, nn.Parameter, nn.Parameter, int, int]]:
         """``(name, parameter, piece, start, end)`` for each piece this rank steps: ``piece``

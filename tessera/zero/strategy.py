@@ -79,14 +79,20 @@ class Sharded(Strategy):
     def checkpoint_tensors(self) -> list[HeldTensor]:
         """This rank's pieces of the parameters the sharded optimizer steps (flat ranges of
         their blocks, fp32 masters), plus whatever it does not shard (frozen parameters, buffers)."""
-        return held_tensors(self.sharded.held_pieces()) + self._unsharded()
+        return held_tensors(self.sharded.held_pieces()) + self._frozen_pieces() + self._unsharded()
+
+    def _frozen_pieces(self) -> list[HeldTensor]:
+        """This rank's pieces of the frozen tensors sharded under parameter release."""
+        return held_tensors(self.sharded.frozen.pieces(self.residence.frozen_shard))  # type: ignore[arg-type]
 
     def _unsharded(self) -> list[HeldTensor]:
-        stepped = {id(p) for p in self.sharded.params}
-        return module_tensors(self.module, lambda p: id(p) not in stepped and self.holds(p))
+        stepped = {id(p) for p in self.sharded.params} | self.sharded.frozen.keys()
+        held = module_tensors(self.module, lambda p: id(p) not in stepped and self.holds(p))
+        return [h for h in held if id(h.tensor) not in stepped]  # frozen buffers (quantized codes) too
 
     def checkpoint_loaded(self) -> None:
         self.residence.masters_loaded()
+        self.sharded.frozen.loaded(self.residence.frozen_shard)
 
 
 def held_tensors(pieces: list[tuple[str, nn.Parameter, nn.Parameter, int, int]]) -> list[HeldTensor]:

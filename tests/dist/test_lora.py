@@ -7,6 +7,9 @@ gradient or an optimizer state for it."""
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import peft
 import pytest
 import torch
@@ -23,10 +26,11 @@ STEPS = 10
 TOL = tolerance(blocks=2, steps=STEPS)
 BATCH, SEQ, VOCAB = 8, 16, 67
 RANK, ALPHA = 4, 8.0
+GEMINI_DISK = os.path.join(tempfile.gettempdir(), "tessera-test-lora-gemini")
 TARGETS = {"gpt2": ("c_attn", "c_proj", "c_fc"), "llama": ("q_proj", "k_proj", "v_proj", "o_proj", "down_proj")}
 
 
-def build(family: str) -> torch.nn.Module:
+def build(family: str, seed: int = 0) -> torch.nn.Module:
     """A small random model of ``family``, the same on every rank and in the reference."""
     if family == "gpt2":
         config = transformers.GPT2Config(
@@ -39,7 +43,7 @@ def build(family: str) -> torch.nn.Module:
             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=SEQ,
         )  # fmt: skip
     config._attn_implementation = "eager"
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
@@ -105,8 +109,9 @@ def peft_reference(family: str) -> tuple[list[float], dict[str, torch.Tensor], d
     return losses, adapters, {k: v.detach().clone() for k, v in build(family).state_dict().items()}
 
 
-def adapted(family: str) -> torch.nn.Module:
-    model = tessera.lora.apply(build(family), rank=RANK, alpha=ALPHA, targets=TARGETS[family])
+def adapted(family: str, base: torch.nn.Module | None = None) -> torch.nn.Module:
+    """``base`` (default: ``build(family)``) with adapters of the shared starting values."""
+    model = tessera.lora.apply(base or build(family), rank=RANK, alpha=ALPHA, targets=TARGETS[family])
     values = adapter_values(factor_shapes(family))
     layers = dict(model.named_modules())
     with torch.no_grad():
@@ -139,7 +144,13 @@ LAYOUTS = {
     "dp2": dict(data=2, config={"parallel": {"data": 2}}),
     "zero2-dp2": dict(data=2, config={"parallel": {"data": 2}, "zero": {"stage": 2, "chunk_mb": 0.004}}),
     "zero3-dp2": dict(data=2, config={"parallel": {"data": 2}, "zero": {"stage": 3, "chunk_mb": 0.004}}),
-    "gemini-dp2": dict(data=2, config={"parallel": {"data": 2}, "gemini": {"enabled": True, "chunk_mb": 0.004}}),
+    "gemini-dp2-base-on-disk": dict(
+        data=2,
+        config={
+            "parallel": {"data": 2},
+            "gemini": {"enabled": True, "chunk_mb": 0.004, "frozen_tier": "disk", "offload_dir": GEMINI_DISK},
+        },
+    ),  # fmt: skip
     "sp2-ring": dict(sequence=2, config={"parallel": {"sequence": {"size": 2, "mode": "ring"}}}),
     "pp2": dict(pipeline=2, config={"parallel": {"pipeline": {"size": 2, "schedule": "1f1b", "microbatches": 2}}}),
     "2d-tp4": dict(tensor=4, mode="2d", config={"parallel": {"tensor": {"size": 4, "mode": "2d"}}}),
@@ -204,6 +215,83 @@ def test_lora_trains_as_one_process_in_every_layout(pools, family, layout):
         assert set(frozen) == set(base)
         assert all(torch.equal(frozen[k], base[k]) for k in base), "the frozen base moved"
         assert frozen_held == [], "a frozen weight got a gradient, an optimizer state or a piece"
+
+
+def frozen_holding(layout: str):
+    """After two steps of LLaMA with adapters on an NF4 base under ``layout``: the frozen elements
+    this rank holds in memory and in all, the frozen tensors holding storage, and where Gemini's
+    frozen parts are."""
+    from tessera.lora.quant import quantize
+
+    ctx = use_layout(**LAYOUTS[layout])
+    model = quantize(adapted("llama"), "nf4", double_quant=True)
+    engine, *_ = tessera.initialize(model, optimizer_of(model), loss_of)
+    per_rank = BATCH // ctx.size("data")
+    mine = slice(ctx.local_rank("data") * per_rank, (ctx.local_rank("data") + 1) * per_rank)
+    for x, y in batches()[:2]:
+        engine.train_batch(iter([(x[mine], y[mine])]))
+    frozen = engine.optimizer.frozen
+    whole = [n for n, t in [*engine.model.named_parameters(), *engine.model.named_buffers()]
+             if id(t) in frozen.keys() and t.untyped_storage().nbytes() > 0]  # fmt: skip
+    shards = sum(c.shard_numel for c in frozen.chunks)
+    parts = [c.part for c in frozen.chunks if getattr(c, "part", None) is not None]
+    away = [p.name for p in parts if p.residence.value != "disk"]  # read ahead for the next step's uses
+    return shards, sum(t.numel() for t in frozen.tensors), whole, (len(parts), away)
+
+
+@pytest.mark.parametrize("layout", ["zero3-dp2", "gemini-dp2-base-on-disk"])
+def test_the_frozen_base_is_sharded_and_released_between_uses(pools, layout):
+    base = quantize_model_elements()
+    for shards, total, whole, (parts, away) in pools.run(2, frozen_holding, layout, timeout=300):
+        assert total == base, "every frozen weight and quantized code is in the frozen chunks"
+        assert shards <= base / 2 + 256 * 8, "a rank holds its half of the frozen base (and chunk padding)"
+        assert whole == [], "no frozen tensor is whole on a rank between steps"
+        if layout.startswith("gemini"):  # every frozen part on disk but those read ahead (prefetch depth 4)
+            assert parts > 4 and len(away) <= 4, away
+        else:
+            assert parts == 0
+
+
+def saved_and_loaded(layout: str, folder: str):
+    """3 steps of LLaMA with adapters on an NF4 base under ``layout``, saved as a sharded
+    checkpoint and loaded into an engine over another base: both engines' full states."""
+    from tessera.checkpoint import load, save
+    from tessera.lora.quant import quantize
+
+    ctx = use_layout(**LAYOUTS[layout])
+    model = quantize(adapted("llama"), "nf4", double_quant=True)
+    engine, *_ = tessera.initialize(model, optimizer_of(model), loss_of)
+    per_rank = BATCH // ctx.size("data")
+    mine = slice(ctx.local_rank("data") * per_rank, (ctx.local_rank("data") + 1) * per_rank)
+    for x, y in batches()[:3]:
+        engine.train_batch(iter([(x[mine], y[mine])]))
+    save(folder, engine)
+    other = quantize(adapted("llama", build("llama", seed=1)), "nf4", double_quant=True)
+    fresh, *_ = tessera.initialize(other, optimizer_of(other), loss_of)
+    before = full_state_dict(fresh.model)
+    load(folder, fresh)
+    return full_state_dict(engine.model), before, full_state_dict(fresh.model)
+
+
+@pytest.mark.parametrize("layout", ["zero3-dp2", "gemini-dp2-base-on-disk"])
+def test_a_sharded_frozen_base_saves_and_loads_shard_by_shard(pools, tmp_path, layout):
+    for saved, before, loaded in pools.run(2, saved_and_loaded, layout, str(tmp_path / "ckpt"), timeout=300):
+        assert saved.keys() == loaded.keys()
+        codes = [k for k in saved if k.endswith(".codes")]
+        assert codes and all(not torch.equal(before[k], saved[k]) for k in codes), "the other base differs"
+        for key, value in saved.items():
+            assert torch.equal(loaded[key], value), key
+
+
+def quantize_model_elements() -> int:
+    """Elements of the frozen parameters and quantized buffers of LLaMA with adapters on NF4."""
+    from tessera.lora.quant import quantize
+
+    model = quantize(adapted("llama"), "nf4", double_quant=True)
+    frozen = [p.numel() for p in model.parameters() if not p.requires_grad]
+    codes = [b.numel() for m in model.modules() for n, b in m.named_buffers(recurse=False)
+             if n in getattr(m, "frozen_buffers", ())]  # fmt: skip
+    return sum(frozen) + sum(codes)
 
 
 def test_targets_that_match_no_layer_name_the_linear_layers():
@@ -318,6 +406,37 @@ def test_lora_on_an_nf4_base_under_zero3_trains_as_one_process(pools):
     for losses, state in pools.run(2, quantized_run, "zero3-dp2", timeout=300):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), **TOL)
         assert set(state) == set(expected)
+        for key, value in expected.items():
+            torch.testing.assert_close(state[key], value, **TOL, msg=lambda m, key=key: key + m)
+
+
+def quantized_while_loading(layout: str, folder: str):
+    """LLaMA read deferred from a Hugging Face folder, adapters put on and its base quantized to
+    NF4 while each rank fills only its shard: 10 steps under ``layout``; the losses, adapters and
+    quantized codes."""
+    from tessera.hf.weights import from_pretrained
+    from tessera.lora.quant import quantize
+
+    ctx = use_layout(**LAYOUTS[layout])
+    model = quantize(adapted("llama", from_pretrained(folder)), "nf4", double_quant=True)
+    engine, *_ = tessera.initialize(model, optimizer_of(model), loss_of)
+    codes = full_state_dict(engine.model, select=lambda key: "absmax" in key or key.endswith(".codes"))
+    per_rank = BATCH // ctx.size("data")
+    mine = slice(ctx.local_rank("data") * per_rank, (ctx.local_rank("data") + 1) * per_rank)
+    losses = [float(engine.train_batch(iter([(x[mine], y[mine])]))) for x, y in batches()]
+    return losses, full_state_dict(engine.model, select=lambda key: ".lora_" in key), codes
+
+
+@pytest.mark.parametrize("layout", ["zero3-dp2", "gemini-dp2-base-on-disk"])
+def test_a_base_quantized_while_loading_trains_as_one_process(pools, tmp_path, layout):
+    from tessera.lora.quant import quantize
+
+    build("llama").save_pretrained(tmp_path)  # the weights adapted() starts from
+    expected_losses, expected = quantized_run(None)
+    reference = quantize(adapted("llama"), "nf4", double_quant=True).state_dict()
+    for losses, state, codes in pools.run(2, quantized_while_loading, layout, str(tmp_path), timeout=300):
+        assert codes and all(torch.equal(value, reference[key]) for key, value in codes.items()), "codes differ"
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), **TOL)
         for key, value in expected.items():
             torch.testing.assert_close(state[key], value, **TOL, msg=lambda m, key=key: key + m)
 
