@@ -203,3 +203,11 @@ def test_tessera_plan_prints_trainable_frozen_and_quantized_bytes(tmp_path, caps
     config = load_config(out)
     assert (config.lora.rank, config.lora.quantize) == (16, "nf4")
     assert math.isclose(frozen_bytes(spec) / frozen_parameters(spec), 0.65, abs_tol=0.05)  # NF4 and fp32 rest
+
+
+def test_parallel_auto_plans_for_the_configs_adapters():
+    from tessera.config.auto import model_spec
+
+    config = load_config(None, ["model.preset=tiny", "lora.rank=8", 'lora.targets=["qkv"]', "lora.dropout=0.1"])
+    assert model_spec(config).adapters == Adapters(8, ("qkv",), dropout=0.1)
+    assert model_spec(load_config(None, ["model.preset=tiny"])).adapters is None
