@@ -7,7 +7,9 @@ predicted step time with the reason the best wins, and write the best as a confi
 
 ``--set KEY=VALUE`` fixes a choice by its config key and lets the planner choose the rest; the
 assignments are checked as a config is, so a combination the layout rules refuse is refused
-here in the words the config and ``initialize`` use.
+here in the words the config and ``initialize`` use. ``--set lora.rank=16`` (and the other
+``lora.*`` keys: targets, modules_to_save, quantize, double_quant, dropout) plans LoRA fine-tuning
+instead: adapters that train beside a frozen, possibly quantized, base (docs/planner.md).
 
 The cluster's figures come from ``--hardware`` (default: A100 80GB in DGX nodes; see
 ``tessera.planner.scenarios.HARDWARE`` for the figures and their sources), overridden one by one
@@ -69,7 +71,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--set", action="append", default=[], dest="fixed", metavar="KEY=VALUE",
                    help="fix a choice by its config key, the planner choosing the rest (repeatable): "
                    "parallel.tensor.size=4, parallel.tensor.mode=2d, parallel.sequence.size=2, zero.stage=1, ...; "
-                   "refused as the config refuses it")  # fmt: skip
+                   "lora.rank=16, lora.quantize=nf4, ... plan LoRA fine-tuning; refused as the config refuses it")  # fmt: skip
     p.add_argument("--markdown", action="store_true", help="print the table as markdown")
     p.add_argument("--out", default=None, metavar="FILE",
                    help="write the best layout as a config: .py, .toml, .yaml or .json")  # fmt: skip
@@ -125,7 +127,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from tessera.planner.search import Limits, plan
     from tessera.planner.spec import Workload, resolve_model
 
-    model = resolve_model(args.model, args.seq_len)
+    lora_sets = [item for item in args.fixed if item.split("=", 1)[0].strip().startswith("lora.")]
+    lora = lora_of(lora_sets)
+    model = dataclasses.replace(resolve_model(args.model, args.seq_len), adapters=adapters_of(lora))
     cluster = cluster_of(args)
     if args.calibrate:
         cluster = calibrated(cluster, args)
@@ -133,19 +137,42 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"--top={args.top} must be at least 1")
     workload = Workload(global_batch=args.global_batch or 8 * args.devices, seq_len=args.seq_len, dtype=args.dtype,
                         optimizer=args.optimizer)  # fmt: skip
-    pins = fixed_fields(args.fixed)
+    pins = fixed_fields([item for item in args.fixed if item not in lora_sets])
     limits = Limits(exhaustive=args.exhaustive, pins=pins, max_sequence=max(8, pins.get("sequence", 1)))
     result = plan(model, cluster, workload, top=args.top, limits=limits)
     print(f"tessera plan: {model.describe()}; {workload.global_batch} samples a step, {args.dtype}; "
           f"{cluster.name}, {cluster.devices_per_node} a node, {cluster.device_memory / 2**30:.1f} GiB each; "
           f"{result.stats.describe()}", file=sys.stderr)  # fmt: skip
+    if model.adapters is not None:
+        from tessera.planner.adapters import describe
+
+        print(describe(model))
     print(result.table(markdown=args.markdown))
     best = result.best  # nothing fits: a ConfigError saying by how much the nearest misses
     print("\nbest: " + result.summary())
     if args.out:
-        path = write_config(best.layout, args.model, workload, Path(args.out))
+        path = write_config(best.layout, args.model, workload, Path(args.out), lora)
         print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def lora_of(assignments: list[str]) -> dict[str, Any] | None:
+    """The ``lora`` section that ``--set lora.KEY=VALUE`` assignments give, checked as a config's
+    is (None without a rank: no adapters)."""
+    from tessera.config import load_config
+
+    if not assignments:
+        return None
+    section = load_config(None, assignments).lora
+    return dataclasses.asdict(section) if section.rank else None
+
+
+def adapters_of(lora: dict[str, Any] | None) -> Any:
+    """The planner's :class:`~tessera.planner.adapters.Adapters` of a ``lora`` section (or None)."""
+    from tessera.config.schema import LoraConfig
+    from tessera.planner.adapters import Adapters
+
+    return Adapters.from_config(LoraConfig(**lora)) if lora else None
 
 
 def fixed_fields(assignments: list[str]) -> dict[str, Any]:
@@ -174,10 +201,10 @@ def fixed_fields(assignments: list[str]) -> dict[str, Any]:
 # ---- the config file of a layout ---------------------------------------------------------------------
 
 
-def config_of(layout: Any, model_name: str, workload: Any) -> dict[str, Any]:
+def config_of(layout: Any, model_name: str, workload: Any, lora: dict[str, Any] | None = None) -> dict[str, Any]:
     """The tessera config that trains ``model_name`` with ``layout``: the layout's sections, the
-    model's (for gpt: presets and hf: paths, which ``tessera train`` builds), the sequence length
-    and the dtype."""
+    model's (for gpt: presets and hf: paths, which ``tessera train`` builds), the sequence length,
+    the dtype and the ``lora`` section planned for."""
     config: dict[str, Any] = layout.to_config()
     kind, _, rest = model_name.partition(":")
     if kind == "gpt" and rest:
@@ -187,17 +214,19 @@ def config_of(layout: Any, model_name: str, workload: Any) -> dict[str, Any]:
     if workload.seq_len:
         config["data"]["seq_len"] = workload.seq_len
     config["mixed_precision"] = {"dtype": workload.dtype}
+    if lora:
+        config["lora"] = dict(lora)
     return config
 
 
-def write_config(layout: Any, model_name: str, workload: Any, path: Path) -> Path:
+def write_config(layout: Any, model_name: str, workload: Any, path: Path, lora: dict[str, Any] | None = None) -> Path:
     """Write :func:`config_of` to ``path`` in the format its suffix names."""
     from tessera.files import write_atomically
 
     suffix = path.suffix.lower()
     if suffix not in PLAN_FORMATS:
         raise ConfigError(f"--out {path}: unknown format {suffix!r}; use {', '.join(PLAN_FORMATS)}")
-    config = config_of(layout, model_name, workload)
+    config = config_of(layout, model_name, workload, lora)
     head = f"tessera plan --model {model_name}: {layout.name()}"
     if suffix == ".py":
         text = f'"""{head}."""\n\n' + "".join(f"{key} = {value!r}\n" for key, value in config.items())

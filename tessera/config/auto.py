@@ -25,16 +25,21 @@ CPU_MEMORY_SHARE = 0.8  # of the host's memory, shared by this node's ranks (the
 
 
 def model_spec(config: Config) -> Any:
-    """The planner's :class:`~tessera.planner.spec.ModelSpec` of ``config.model`` at ``data.seq_len``."""
+    """The planner's :class:`~tessera.planner.spec.ModelSpec` of ``config.model`` at ``data.seq_len``,
+    with the ``lora`` section's adapters."""
+    from tessera.planner.adapters import Adapters
     from tessera.planner.spec import from_gpt_preset, from_hf_config
 
     seq_len = config.data.seq_len
     hf_path = config.model.hf_path
+    adapters = Adapters.from_config(config.lora)  # LoRA: adapters train, the base is frozen
     if hf_path is None:
-        return from_gpt_preset(config.model.preset, seq_len, **config.model.options)
+        return dataclasses.replace(
+            from_gpt_preset(config.model.preset, seq_len, **config.model.options), adapters=adapters
+        )
     spec = from_hf_config(hf_path, seq_len)
     # tessera train reads at most 1024 tokens of an hf: model unless data.seq_len says (DataConfig)
-    return spec if seq_len else dataclasses.replace(spec, seq_len=min(spec.seq_len, 1024))
+    return dataclasses.replace(spec, seq_len=spec.seq_len if seq_len else min(spec.seq_len, 1024), adapters=adapters)
 
 
 def workload_of(config: Config, world_size: int) -> Any:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tessera.context.rules import Combination, refusals
+from tessera.planner.adapters import tensor_refusal
 from tessera.planner.layout import Checkpointing, Layout, Schedule, SequenceMode, TensorMode
 from tessera.planner.spec import Cluster, ModelSpec, Workload
 
@@ -55,7 +56,8 @@ def tensor_variants(model: ModelSpec, t: int, modes: Sequence[TensorMode]) -> It
     """(mode, depth, sequence_parallel) of ``t`` tensor ranks that the layout rules allow and whose
     split divides the model: 1d needs the heads (query and key/value), hidden and MLP widths to
     divide by t; the grid modes the same by q (3d: the hidden widths by q^2, its activation
-    split), on grids of more than one rank a side."""
+    split), on grids of more than one rank a side; none with LoRA adapters that tensor parallelism
+    does not split yet (:func:`tessera.planner.adapters.tensor_refusal`)."""
     heads, kv, h, ff = model.n_heads, model.kv_heads, model.d_model, model.ff_dim
 
     def splits(q: int, width_split: int) -> bool:
@@ -63,6 +65,8 @@ def tensor_variants(model: ModelSpec, t: int, modes: Sequence[TensorMode]) -> It
 
     if t == 1:
         yield "1d", 1, False
+        return
+    if tensor_refusal(model):
         return
     candidates: list[tuple[TensorMode, int]] = [("1d", 1), ("2d", 1)]
     candidates += [("2.5d", depth) for depth in divisors(t)[1:]] + [("3d", 1)]
@@ -169,7 +173,10 @@ def layout_problems(model: ModelSpec, layout: Layout, workload: Workload) -> lis
     if layout.zero and layout.data == 1 and not (layout.zero == 1 and layout.offload):
         out.append("ZeRO shards over the data axis, which has one rank here")
     seq = workload.seq_len or model.seq_len
-    if (layout.tensor_mode, layout.depth, layout.sequence_parallel) not in set(
+    refusal = tensor_refusal(model) if layout.tensor > 1 else None
+    if refusal:
+        out.append(refusal)
+    elif (layout.tensor_mode, layout.depth, layout.sequence_parallel) not in set(
         tensor_variants(model, layout.tensor, TENSOR_MODES)
     ):
         out.append(f"the model's heads and widths do not split {layout.tensor} ways in {layout.tensor_mode}")

@@ -220,4 +220,12 @@ class Plan:
             f"{fmt_bytes(best.memory.peak)} per rank of {fmt_bytes(self.cluster.device_memory)}"
         )
         reasons = self.reasons(0)
+        m = best.memory
+        if self.model.adapters is not None:  # LoRA: what trains and what only sits on the rank
+            trainable = m.parameters + m.gradients + m.optimizer_states
+            head += (
+                f"\n  model states per rank: trainable {fmt_bytes(trainable)} (parameters {fmt_bytes(m.parameters)}, "
+                f"gradients {fmt_bytes(m.gradients)}, optimizer {fmt_bytes(m.optimizer_states)}), frozen base "
+                f"{fmt_bytes(m.frozen)} (weights only)"
+            )
         return head + ("\n  " + "; ".join(reasons) if reasons else "")

@@ -26,10 +26,11 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+from tessera.planner import adapters as lora
 from tessera.planner.layout import Layout
 from tessera.planner.results import MemoryEstimate
 from tessera.planner.spec import ModelSpec, Workload
-from tessera.planner.timing import Stage, local_parameters, stages
+from tessera.planner.timing import Stage, stages
 
 MIB = 2**20
 #: ZeRO's default chunk, the unit of a gradient reduction (``zero.chunk_mb``)
@@ -45,6 +46,7 @@ class StateBytes:
     optimizer: int  # moments and fp32 masters, on the device
     host: int  # offloaded to host memory
     gathered_layer: int  # ZeRO-3: one layer's full parameters, gathered for its use
+    frozen: int = 0  # a frozen base's weights (LoRA): never sharded over the data axis
 
 
 # ---- activations -------------------------------------------------------------------------------
@@ -201,8 +203,11 @@ def _waiting_w(model: ModelSpec, layout: Layout) -> float:
 # ---- states ------------------------------------------------------------------------------------
 
 
-def state_bytes(model: ModelSpec, layout: Layout, workload: Workload, elements: float) -> StateBytes:
-    """Model-state bytes of a rank holding ``elements`` parameter elements (its tensor shard)."""
+def state_bytes(
+    model: ModelSpec, layout: Layout, workload: Workload, elements: float, frozen: float = 0.0
+) -> StateBytes:
+    """Model-state bytes of a rank holding ``elements`` trainable parameter elements (its tensor
+    shard) and ``frozen`` bytes of a frozen base (LoRA: weights only, whole on every data rank)."""
     mixed_zero = workload.dtype != "fp32" and layout.zero > 0
     p_bytes = 2 if mixed_zero else 4
     opt = 4 * workload.optimizer_states + (4 if mixed_zero else 0)  # moments (+ fp32 masters)
@@ -213,9 +218,9 @@ def state_bytes(model: ModelSpec, layout: Layout, workload: Workload, elements: 
     host = 0.0
     if layout.offload:
         host, states = states, 0.0
-    block = model.block_params() / layout.splits[0] * p_bytes
+    block = lora.trainable_block_params(model) / layout.splits[0] * p_bytes  # what ZeRO-3 chunks
     gathered = 2 * block if layout.zero >= 3 else 0.0  # the layer in use and the next, prefetched
-    return StateBytes(int(params), int(grads), int(states), int(host), int(gathered))
+    return StateBytes(int(params), int(grads), int(states), int(host), int(gathered), int(frozen))
 
 
 # ---- the peak -----------------------------------------------------------------------------------
@@ -233,7 +238,7 @@ def predict_stage_memory(model: ModelSpec, layout: Layout, workload: Workload) -
     and this rank's parameter elements as :mod:`tessera.planner.timing` cuts and counts them."""
     cut = stages(model, layout.pipeline, layout.chunks)
     flights = in_flight(layout.schedule, layout.pipeline, layout.microbatches, layout.chunks, _waiting_w(model, layout))
-    whole = sum(local_parameters(model, layout, stage) for stage in cut)
+    whole = sum(lora.rank_split(model, layout, stage)[0] for stage in cut)
     done: dict[tuple[Stage, tuple[float, float]], MemoryEstimate] = {}
     out = []
     for stage, flight in zip(cut, flights):
@@ -251,27 +256,28 @@ def _rank_peak(
     whole: float,
     flight: tuple[float, float],
 ) -> MemoryEstimate:
-    """The peak of a rank holding ``stage``; ``whole``: the elements of every stage (on this
-    rank's tensor split)."""
+    """The peak of a rank holding ``stage``; ``whole``: the trainable elements of every stage (on
+    this rank's tensor split)."""
     seq = workload.seq_len or model.seq_len
     e = workload.element_bytes
     tokens = layout.micro_batch * seq  # one micro-batch of this data replica
     blocks, has_head = stage.blocks, stage.head
-    elements = local_parameters(model, layout, stage)
+    elements, frozen = lora.rank_split(model, layout, stage)
     per_block = block_activation_elements(model, layout, seq) * tokens * e * _traced_scale(model, seq)
+    per_block += lora.activation_elements(model, layout, e) * tokens * e
     head = head_activation_elements(model, layout) * tokens * 4 if has_head else 0.0  # logits stay fp32
     one = blocks * per_block + head  # one micro-batch's activations on this rank
     if layout.pipeline > 1:  # the stage's input received (and its gradient) and its output kept for the backward
         one += 3 * tokens * model.d_model / _token_hidden_split(layout) * e
     before, after = flight
     activations = max(before, after) * one
-    states = state_bytes(model, layout, workload, elements)
+    states = state_bytes(model, layout, workload, elements, frozen)
     if layout.pipeline > 1 and layout.zero:
         # tessera packs every parameter the optimizer holds into ZeRO's chunks, other stages'
         # too (docs/planner.md, limits): the whole model's parameters on every stage
         states = dataclasses.replace(states, parameters=int(whole * states.parameters / max(elements, 1)))
     start, middle = _transient(model, layout, workload, tokens, has_head)
-    fixed = states.parameters + states.optimizer + states.gathered_layer
+    fixed = states.parameters + states.frozen + states.optimizer + states.gathered_layer
     backward = fixed + start + max(before * one, after * one + states.gradients)
     if layout.checkpoint != "none":  # mid-backward: a block recomputed beside the gradients made so far
         made = (
@@ -280,16 +286,17 @@ def _rank_peak(
             else states.gradients + 2 * _block_gradient_bytes(model, layout, workload)
         )
         backward = max(backward, fixed + middle + max(activations, made))
-    step = states.parameters + states.optimizer + states.gradients + _step_temporaries(layout, states)
+    step = fixed - states.gathered_layer + states.gradients + _step_temporaries(layout, states)
     peak = max(backward, step)
     return MemoryEstimate(
         parameters=states.parameters,
         gradients=states.gradients,
         optimizer_states=states.optimizer,
         activations=int(activations),
-        transient=int(max(0.0, peak - states.parameters - states.gradients - states.optimizer - activations)),
+        transient=int(max(0.0, peak - fixed + states.gathered_layer - states.gradients - activations)),
         peak=int(peak),
         host=states.host,
+        frozen=states.frozen,
     )
 
 
@@ -316,7 +323,8 @@ def _transient(
     if layout.checkpoint != "none":
         whole = Layout(**{**layout.__dict__, "checkpoint": "none"})
         scale = _traced_scale(model, workload.seq_len or model.seq_len)
-        middle = mlp + block_activation_elements(model, whole) * tokens * e * scale
+        adapters = lora.activation_elements(model, whole, e)
+        middle = mlp + (block_activation_elements(model, whole) * scale + adapters) * tokens * e
     return mlp + loss, middle
 
 
@@ -324,7 +332,7 @@ def _block_gradient_bytes(model: ModelSpec, layout: Layout, workload: Workload) 
     """One block's gradients in full over the data axis (ZeRO-2/3 reduce-scatter them as the
     block's backward ends; two are alive: one reducing, one being made)."""
     p_bytes = 2 if workload.dtype != "fp32" and layout.zero > 0 else 4
-    return model.block_params() / layout.splits[0] * p_bytes
+    return lora.trainable_block_params(model) / layout.splits[0] * p_bytes
 
 
 def _step_temporaries(layout: Layout, states: StateBytes) -> float:

@@ -13,7 +13,9 @@ class MemoryEstimate:
     usually): model states as the memory ledger counts them, activations kept for the backward
     pass at the step's fullest point, and the transient buffers alive at the peak (gathered
     parameters, communication buckets, the loss's logits, the optimizer's temporaries).
-    ``host``: bytes kept in host memory (offloaded optimizer states)."""
+    ``host``: bytes kept in host memory (offloaded optimizer states). With LoRA adapters
+    ``parameters``, ``gradients`` and ``optimizer_states`` are the trainable ones' and ``frozen``
+    the frozen base's weights (quantized where the config says)."""
 
     parameters: int
     gradients: int
@@ -22,10 +24,11 @@ class MemoryEstimate:
     transient: int
     peak: int
     host: int = 0
+    frozen: int = 0
 
     @property
     def model_states(self) -> int:
-        return self.parameters + self.gradients + self.optimizer_states
+        return self.parameters + self.frozen + self.gradients + self.optimizer_states
 
 
 @dataclass(frozen=True)

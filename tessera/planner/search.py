@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tessera.context.rules import Combination, refusals
+from tessera.planner.adapters import frozen_bytes, trainable_parameters
 from tessera.planner.enumeration import (
     CHECKPOINTING,
     DEFAULT_SEQUENCE_MODES,
@@ -98,7 +99,8 @@ class _Search:
 
     def __init__(self, model: ModelSpec, cluster: Cluster, workload: Workload, limits: Limits) -> None:
         self.model, self.cluster, self.workload, self.limits = model, cluster, workload, limits
-        self.params = model.num_parameters()
+        self.params = trainable_parameters(model)  # what gets gradients and optimizer states
+        self.frozen = frozen_bytes(model)  # LoRA's frozen base: weights only, never data-sharded
         self.stats = SearchStats()
         self.fitting: list[Estimate] = []
         self.closest: tuple[int, Layout] | None = None  # least peak memory seen among those that do not fit
@@ -147,13 +149,15 @@ class _Search:
     def states_floor(self, shape: Layout, zero: int, offload: bool) -> float:
         """A lower bound of the fullest rank's model-state bytes: its share were the parameters split
         perfectly evenly by tensor and pipeline, in the compute dtype, the fp32 optimizer moments on
-        the device unless offloaded, each divided over the data axis as ZeRO's stage shards it."""
-        share = self.params / (shape.splits[0] * shape.pipeline)
+        the device unless offloaded, each divided over the data axis as ZeRO's stage shards it; a
+        frozen base's weights split by tensor and pipeline only."""
+        split = shape.splits[0] * shape.pipeline
+        share = self.params / split
         e, d = self.workload.element_bytes, shape.data
         weights = share * e / (d if zero >= 3 else 1)
         grads = share * e / (d if zero >= 2 else 1)
         moments = 0.0 if offload else share * 4 * self.workload.optimizer_states / (d if zero >= 1 else 1)
-        return 0.999 * (weights + grads + moments)
+        return 0.999 * (weights + grads + moments + self.frozen / split)
 
     def walk_group(self, shape: Layout, zero: int, offloads: list[bool]) -> None:
         """Schedules and micro-batch sizes of one shape and ZeRO stage. Memory grows with the

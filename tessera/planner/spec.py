@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tessera.errors import ConfigError
+from tessera.planner.adapters import Adapters
 
 Family = Literal["gpt", "llama", "vit", "bert"]
 
@@ -49,6 +50,8 @@ class ModelSpec:
     #: saved-activation bytes per token of one block measured by ``traced.from_module`` (fp32,
     #: one rank); None: the formula of :mod:`tessera.planner.memory`
     traced_block_bytes_per_token: float | None = None
+    #: LoRA adapters on a frozen base (the config's ``lora`` section; :mod:`tessera.planner.adapters`)
+    adapters: Adapters | None = None
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "d_model", "n_heads", "ff_dim", "seq_len"):

@@ -54,23 +54,39 @@ def local_parameters(model: ModelSpec, layout: Layout, stage: Stage) -> float:
     """Parameter elements this rank holds for ``stage`` (before ZeRO shards them): matrices and
     vectors as the tensor mode splits them (``Layout.splits``), the vocabulary table as a matrix,
     a learned position table as the mode's embedding does, a tied head's table on both end stages."""
+    return block_parameters(model, layout, stage.blocks) + sum(end_parameters(model, layout, stage).values())
+
+
+def block_parameters(model: ModelSpec, layout: Layout, blocks: int) -> float:
+    """Elements of ``blocks`` transformer blocks on one rank, split by the tensor mode."""
     mat, vec = layout.splits
-    t, h = layout.tensor, model.d_model
+    t = layout.tensor
     block_vectors = float(model.block_vector_params())
     if layout.tensor_mode == "1d" and model.biases and t > 1:  # the column layers' biases are split
         column = block_linears(model)[0][1] + block_linears(model)[2][1]
         block_vectors -= column - column / t
-    total = stage.blocks * (model.block_matrix_params() / mat + block_vectors / vec)
+    return blocks * (model.block_matrix_params() / mat + block_vectors / vec)
+
+
+def end_parameters(model: ModelSpec, layout: Layout, stage: Stage) -> dict[str, float]:
+    """Elements of the parts outside the blocks that this rank holds for ``stage``, by part:
+    ``table`` (the vocabulary table, a ViT's patch projection), ``positions`` (a learned position
+    table; a ViT's class token and patch bias too), ``norm`` (the final norm) and ``head`` (the
+    output matrix; a tied head's copy of the table on a last stage without the embedding)."""
+    mat, vec = layout.splits
+    t, h = layout.tensor, model.d_model
+    out: dict[str, float] = {}
     table = model.vocab_size * h if model.family != "vit" else model.patch_dim * h
     positions = model.embedding_params() - table
     if stage.embedding:
         pos_split = t if layout.tensor_mode == "1d" else vec if layout.tensor_mode == "3d" else mat
-        total += table / mat + positions / pos_split
+        out["table"], out["positions"] = table / mat, positions / pos_split
     if stage.head:
-        total += model.norm_params() / vec + (model.head_params() - model.norm_params()) / mat
+        out["norm"] = model.norm_params() / vec
+        out["head"] = (model.head_params() - model.norm_params()) / mat
         if model.tie_weights and not stage.embedding and model.family != "vit":
-            total += table / mat  # the head's copy of the tied table
-    return total
+            out["head"] += table / mat  # the head's copy of the tied table
+    return out
 
 
 # ---- compute ---------------------------------------------------------------------------------------
@@ -96,7 +112,11 @@ class StageWork:
 def stage_work(model: ModelSpec, layout: Layout, workload: Workload, stage: Stage) -> StageWork:
     """The floating-point work of one micro-batch on a rank of ``stage``: its share of the blocks
     (tensor split; tokens of its sequence part; the grid modes' batch padded to their blocks)
-    and of the head; embeddings are lookups."""
+    and of the head; embeddings are lookups. With LoRA adapters the blocks' frozen weights make
+    no weight gradient (the backward still makes their inputs' gradients) and each adapter adds
+    its two products."""
+    from tessera.planner import adapters as lora
+
     s = workload.seq_len or model.seq_len
     q, mode = layout.grid, layout.tensor_mode
     batch = layout.micro_batch
@@ -105,11 +125,17 @@ def stage_work(model: ModelSpec, layout: Layout, workload: Workload, stage: Stag
     elif layout.tensor > 1 and mode == "3d":
         batch = round_up(batch, q)
     tokens = batch * s // layout.sequence
+    matmuls = 2.0 * tokens * model.block_matrix_params() / layout.tensor
     block = model.block_forward_flops(tokens, s) / layout.tensor
-    attention = block - 2.0 * tokens * model.block_matrix_params() / layout.tensor
+    attention = block - matmuls
     head = model.head_forward_flops(tokens) / layout.tensor if stage.head else 0.0
+    adapters = 2.0 * tokens * lora.adapter_block_params(model) / layout.tensor
+    block += adapters
     forward = stage.blocks * block + head
+    backward = 2 * forward
+    if model.adapters is not None:  # no weight gradient of the frozen matrices (the head unless saved)
+        backward -= stage.blocks * matmuls + (0.0 if "head" in lora.saved_parts(model) else head)
     extra = {"none": 0.0, "full": block, "selective": attention}[layout.checkpoint]
     recompute = stage.blocks * extra
     attended = stage.blocks * attention * (3 + (layout.checkpoint != "none"))
-    return StageWork(forward, 2 * forward, recompute, attended, block)
+    return StageWork(forward, backward, recompute, attended, block)

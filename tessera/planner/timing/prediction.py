@@ -7,13 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from tessera.planner.adapters import rank_split
 from tessera.planner.layout import Layout
 from tessera.planner.results import TimeEstimate
 from tessera.planner.spec import Cluster, ModelSpec, Workload
 from tessera.planner.timing.bubble import pipeline_bubble
 from tessera.planner.timing.counting import Traffic
 from tessera.planner.timing.links import axis_link, base_axis
-from tessera.planner.timing.partition import Stage, StageWork, local_parameters, stage_work, stages
+from tessera.planner.timing.partition import Stage, StageWork, stage_work, stages
 from tessera.planner.timing.traffic import replica_axis, stage_traffic
 
 #: host Adam rate (bytes of fp32 parameters per second and device) when the cluster gives none
@@ -26,7 +27,7 @@ class _StagePlan:
     stage: Stage
     traffic: tuple[Traffic, ...]
     work: StageWork
-    parameters: float  # local_parameters of the stage
+    parameters: float  # the stage's trainable elements on a rank (all of its parameters without LoRA)
 
 
 @lru_cache(maxsize=16384)
@@ -37,7 +38,8 @@ def stage_plans(model: ModelSpec, layout: Layout, workload: Workload) -> tuple[t
     out = []
     for st in dict.fromkeys(cut):
         traffic = tuple(stage_traffic(model, layout, workload, st).values())
-        plan = _StagePlan(st, traffic, stage_work(model, layout, workload, st), local_parameters(model, layout, st))
+        trainable = rank_split(model, layout, st)[0]  # what the optimizer steps (LoRA: the adapters)
+        plan = _StagePlan(st, traffic, stage_work(model, layout, workload, st), trainable)
         out.append((plan, cut.count(st)))
     return tuple(out)
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import math
 
+from tessera.planner import adapters as lora
 from tessera.planner.layout import Layout
 from tessera.planner.spec import ModelSpec, Workload
 from tessera.planner.timing.counting import BUCKET_BYTES, P2P, Book, Shape, Traffic, micro_batch_shape
-from tessera.planner.timing.partition import Stage, local_parameters, stages
+from tessera.planner.timing.partition import Stage, stages
 from tessera.planner.timing.tensor import block_tensor, embedding_tensor, head_tensor
 
 
@@ -66,11 +67,18 @@ def replica_axis(layout: Layout) -> tuple[str, int]:
 
 
 def zero_chunks(model: ModelSpec, layout: Layout, stage: Stage, element: int) -> int:
-    """ZeRO chunks (and DDP buckets) of a stage: one per layer at least, none over the bucket size."""
+    """ZeRO chunks (and DDP buckets) of a stage: one per layer at least, none over the bucket size
+    (with LoRA adapters: of what trains, the adapters and any saved module)."""
     mat, vec = layout.splits
-    block = (model.block_matrix_params() / mat + model.block_vector_params() / vec) * element
+    if model.adapters is not None:
+        block = lora.adapter_local(model, layout) * element
+        saved = lora.saved_parts(model)
+        ends = ("table" in saved) * stage.embedding + ("positions" in saved) * stage.embedding
+        ends += bool(saved & {"norm", "head"}) * stage.head
+    else:
+        block = (model.block_matrix_params() / mat + model.block_vector_params() / vec) * element
+        ends = (2 if model.learned_positions else 1) * stage.embedding + stage.head
     per_block = math.ceil(block / BUCKET_BYTES)
-    ends = (2 if model.learned_positions else 1) * stage.embedding + stage.head
     return stage.blocks * per_block + ends
 
 
@@ -81,7 +89,7 @@ def _data_traffic(book: Book, m: ModelSpec, layout: Layout, st: Stage, sh: Shape
     axis, n = replica_axis(layout)
     if n == 1:
         return
-    grads = local_parameters(m, layout, st) * sh.pe
+    grads = lora.rank_split(m, layout, st)[0] * sh.pe  # what trains (LoRA: adapters, saved modules)
     chunks = zero_chunks(m, layout, st, sh.pe)
     micro = layout.accumulation
     if layout.zero == 0:
@@ -91,13 +99,24 @@ def _data_traffic(book: Book, m: ModelSpec, layout: Layout, st: Stage, sh: Shape
         book.add("reduce_scatter", axis, n, grads, chunks)
         if layout.pipeline > 1:  # every stage's optimizer holds the whole model's chunks and gathers them all
             whole = Stage(m.n_layers, True, True)
-            grads, chunks = local_parameters(m, layout, whole) * sh.pe, zero_chunks(m, layout, whole, sh.pe)
+            grads, chunks = lora.rank_split(m, layout, whole)[0] * sh.pe, zero_chunks(m, layout, whole, sh.pe)
         book.add("all_gather", axis, n, grads, chunks)
     else:
         book.add("reduce_scatter", axis, n, micro * grads, micro * chunks)
         gathers = 1 if layout.zero == 2 else 2 * micro
         book.add("all_gather", axis, n, gathers * grads, gathers * chunks)
     book.add("all_reduce", axis, n, 4)
+
+
+def _adapter_tensor(book: Book, m: ModelSpec, layout: Layout, sh: Shape) -> None:
+    """1d LoRA: each adapted layer's whole factor's gradient (a column layer's ``A``, a row
+    layer's ``B``) summed over the tensor group once per backward (``tessera.lora.layers``)."""
+    if m.adapters is None or layout.tensor == 1 or layout.tensor_mode != "1d":
+        return
+    r = m.adapters.rank
+    for role, fan_in, fan_out in lora.adapted_layers(m):
+        whole = r * fan_in if role in lora.COLUMN_ROLES else r * fan_out
+        book.add("all_reduce", "tensor", layout.tensor, whole * sh.pe, 1)
 
 
 def stage_traffic(model: ModelSpec, layout: Layout, workload: Workload, stage: Stage) -> dict[tuple[str, str], Traffic]:
@@ -116,6 +135,8 @@ def stage_traffic(model: ModelSpec, layout: Layout, workload: Workload, stage: S
     if stage.head:
         head_tensor(book, model, layout, sh)
     _pipeline_traffic(book, model, layout, sh, stage)
+    book.times = stage.blocks * layout.microbatches
+    _adapter_tensor(book, model, layout, sh)
     book.times = 1
     _data_traffic(book, model, layout, stage, sh)
     return book.traffic()
