@@ -261,7 +261,7 @@ def adapter_local(model: ModelSpec, layout: Layout) -> float:
 
 def rank_split(model: ModelSpec, layout: Layout, stage: Stage) -> tuple[float, float]:
     """``(trainable elements, frozen bytes)`` this rank holds for ``stage`` before ZeRO shards
-    the trainable ones (the frozen base is never sharded over the data axis)."""
+    the trainable ones (ZeRO-3 shards the frozen base too: ``memory.state_bytes``)."""
     from tessera.planner.timing.partition import block_parameters, end_parameters
 
     ends = end_parameters(model, layout, stage)

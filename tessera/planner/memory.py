@@ -207,7 +207,9 @@ def state_bytes(
     model: ModelSpec, layout: Layout, workload: Workload, elements: float, frozen: float = 0.0
 ) -> StateBytes:
     """Model-state bytes of a rank holding ``elements`` trainable parameter elements (its tensor
-    shard) and ``frozen`` bytes of a frozen base (LoRA: weights only, whole on every data rank)."""
+    shard) and ``frozen`` bytes of a frozen base (LoRA: weights only; whole on every data rank
+    under ZeRO 0-2, sharded over them and gathered a layer at a time under ZeRO-3, as
+    ``tessera.zero.frozen`` does)."""
     mixed_zero = workload.dtype != "fp32" and layout.zero > 0
     p_bytes = 2 if mixed_zero else 4
     opt = 4 * workload.optimizer_states + (4 if mixed_zero else 0)  # moments (+ fp32 masters)
@@ -220,6 +222,9 @@ def state_bytes(
         host, states = states, 0.0
     block = lora.trainable_block_params(model) / layout.splits[0] * p_bytes  # what ZeRO-3 chunks
     gathered = 2 * block if layout.zero >= 3 else 0.0  # the layer in use and the next, prefetched
+    if layout.zero >= 3 and frozen:
+        gathered += 2 * frozen / max(1, model.n_layers / layout.pipeline)  # about a block's frozen share
+        frozen /= n
     return StateBytes(int(params), int(grads), int(states), int(host), int(gathered), int(frozen))
 
 
