@@ -42,7 +42,7 @@ ADAPTERS = {
     "alpha": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"]),
     "beta": dict(r=2, lora_alpha=3, target_modules=["k_proj", "gate_proj", "down_proj"]),
 }
-PROMPTS = [[72, 101, 108, 108, 111, 44, 32], [84, 104, 101], [9], [40, 2, 200, 31, 77]]
+PROMPTS = [[72, 101, 108, 108, 111, 44, 32], [66, 67], [9], [40, 2, 200, 31, 77]]
 NEW = 12
 
 
