@@ -5,7 +5,9 @@ SOURCE: a Hugging Face folder, a ``tessera train`` run folder or a config file
 (``tessera.serve.sources``). The layout: ``--nproc-per-node N`` ranks, ``--pipeline P`` stages
 of ``N / P`` tensor ranks (1d). The server binds 127.0.0.1 unless ``--host`` names another
 address, which prints a warning; ``--api-key`` (or ``TESSERA_API_KEY``) makes every endpoint
-but ``/health`` require ``Authorization: Bearer KEY``.
+but ``/health`` require ``Authorization: Bearer KEY``. ``--adapter NAME=FOLDER`` (repeatable;
+``--adapter FOLDER`` names it by the folder) serves a PEFT LoRA adapter over the one base: a
+request whose ``model`` is NAME runs with it, the base's own name without any.
 """
 
 from __future__ import annotations
@@ -34,6 +36,13 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch", type=int, default=32, help="most sequences decoded together (default 32)")
     parser.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + generated tokens")
     parser.add_argument("--quantize", choices=["int8"], default=None, help="int8 weight-only linear layers")
+    parser.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="[NAME=]FOLDER",
+        help="a PEFT LoRA adapter folder served over the base as NAME (default: the folder's name; repeatable)",
+    )
 
 
 def add_parsers(sub: Any) -> None:
@@ -67,7 +76,9 @@ def _backend(args: argparse.Namespace, log_dir: Path) -> Any:
     if args.nproc < 1 or args.pipeline < 1 or args.nproc % args.pipeline:
         raise ConfigError(f"--nproc-per-node {args.nproc} is not a multiple of --pipeline {args.pipeline}")
     source = resolve_source(args.source)
+    base_name = getattr(args, "served_name", None) or source.name
     options = EngineOptions(
+        adapters=parse_adapters(args.adapter, base_name),
         tensor=args.nproc // args.pipeline,
         pipeline=args.pipeline,
         num_blocks=args.kv_blocks,
@@ -77,6 +88,28 @@ def _backend(args: argparse.Namespace, log_dir: Path) -> Any:
         max_model_len=args.max_model_len,
     )
     return RankBackend(source, options, log_dir=log_dir)
+
+
+def parse_adapters(values: list[str], base_name: str) -> tuple[tuple[str, str], ...]:
+    """``--adapter`` values (``NAME=FOLDER`` or ``FOLDER``) as ``(name, folder)`` pairs, each folder
+    checked to be a PEFT LoRA folder tessera serves before any rank starts; ConfigError names a
+    bad folder, a name used twice, or one that is the base's."""
+    from tessera.inference.adapters import read_servable
+
+    pairs = []
+    for value in values:
+        name, sep, folder = value.partition("=")
+        if not sep or Path(value).exists():  # a folder whose path holds "="
+            name, folder = Path(value).resolve().name, value
+        read_servable(folder)
+        if name == base_name:
+            raise ConfigError(f"--adapter {value}: {name!r} is the base model's name; name the adapter NAME=FOLDER")
+        pairs.append((name, str(Path(folder).resolve())))
+    names = [name for name, _ in pairs]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ConfigError(f"--adapter: the name {twice[0]!r} is given twice; name them NAME=FOLDER")
+    return tuple(pairs)
 
 
 def _log_dir(kind: str) -> Path:
@@ -101,8 +134,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_concurrent_requests=args.max_concurrent,
     )
     app = create_app(backend, served_name=args.served_name or backend.info.name, limits=limits, api_key=api_key)
+    adapters = f" with adapters {', '.join(backend.info.adapters)}" if backend.info.adapters else ""
     print(
-        f"tessera serve: {backend.info.name} on {url_of(host, args.port)}/v1 "
+        f"tessera serve: {backend.info.name}{adapters} on {url_of(host, args.port)}/v1 "
         f"({'API key required' if api_key else 'no API key'})",
         file=sys.stderr,
         flush=True,
@@ -118,7 +152,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from tessera.inference.params import SamplingParams
     from tessera.inference.text import TextStream
 
+    if len(args.adapter) > 1:
+        raise ConfigError("tessera generate runs one --adapter over the base (tessera serve serves several)")
     backend = _backend(args, _log_dir("generate"))
+    adapter = backend.options.adapter_names[0] if args.adapter else None
     tokenizer = backend.tokenizer
     eos = getattr(tokenizer, "eos_token_id", None)
     params = SamplingParams(
@@ -134,7 +171,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     async def one(index: int, prompt: str) -> str:
         stream = TextStream(tokenizer, params.stop)
-        async for chunk in backend.generate(f"cli-{index}", tokenizer.encode(prompt), params):
+        async for chunk in backend.generate(f"cli-{index}", tokenizer.encode(prompt), params, adapter=adapter):
             if chunk.error:
                 raise ConfigError(f"prompt {index + 1}: {chunk.error}")
             stream.push(chunk.token_ids)

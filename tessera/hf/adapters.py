@@ -11,6 +11,7 @@ PEFT's layer names (:mod:`tessera.lora`), so the keys map one to one.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -100,14 +101,23 @@ def load_adapters(model: nn.Module, folder: str | Path) -> nn.Module:
     for name, layer in adapters(module):
         expected[f"{name}.lora_A.weight"] = (layer.rank, layer.in_features)
         expected[f"{name}.lora_B.weight"] = (layer.out_features, layer.rank)
+    check_fit(folder, module, state, expected)
+    load_full_state_dict(module, state, partial=True)
+    return module
+
+
+def check_fit(
+    folder: str | Path, model: nn.Module, state: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]]
+) -> None:
+    """ConfigError unless every tensor of ``state`` (an adapter folder's, tessera's keys) has the
+    shape ``expected`` gives its key, naming the tensors whose shapes differ and those ``model``
+    has no place for (a folder saved from another base)."""
     wrong = [f"{k}: {tuple(v.shape)} in the folder, {expected[k]} here" for k, v in state.items()
              if k in expected and tuple(v.shape) != expected[k]]  # fmt: skip
     unknown = sorted(set(state) - set(expected))
     if wrong or unknown:
         details = "; ".join(wrong + [f"{k}: no such adapter here" for k in unknown[:5]])
-        raise ConfigError(f"the adapters in {folder} do not fit this model ({type(module).__name__}): {details}")
-    load_full_state_dict(module, state, partial=True)
-    return module
+        raise ConfigError(f"the adapters in {folder} do not fit this model ({type(model).__name__}): {details}")
 
 
 def merged_state_dict(source: Any) -> dict[str, torch.Tensor]:
@@ -132,4 +142,4 @@ def merged_state_dict(source: Any) -> dict[str, torch.Tensor]:
     return merged
 
 
-__all__ = ["load_adapters", "merged_state_dict", "read_adapters", "save_adapters"]
+__all__ = ["check_fit", "load_adapters", "merged_state_dict", "read_adapters", "save_adapters"]

@@ -120,12 +120,14 @@ class RowParallel(nn.Module):
         self.weight = shard_parameter(module.weight, ShardSpec(tuple(module.weight.shape), dims), ctx)
         self.bias = module.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, adapter: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """``adapter``: a further partial product of this rank's (valid) input columns, summed
+        with the base's by the same all-reduce (``tessera.lora.routing``'s served adapters)."""
         group = self.ctx.group(TENSOR)
         weight = self.weight.t() if self.transposed else self.weight
         _, valid = local_range(self.in_features, group.size, group.rank)
         return row_parallel_linear(
-            x, weight, self.bias, group, valid_in=valid, sequence_parallel=self.sequence_parallel
+            x, weight, self.bias, group, valid_in=valid, sequence_parallel=self.sequence_parallel, adapter=adapter
         )
 
     def extra_repr(self) -> str:

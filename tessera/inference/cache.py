@@ -101,7 +101,8 @@ class StepBatch:
     sequence's history (``L`` the longest, padded with slot 0); ``mask`` ``[S, 1, T, L]`` which
     history each query row may see, or None when that is plain causal attention (every row
     sees all of ``L`` in a decode of sequences of one length, or a prefill of equal prompts
-    from an empty cache: ``causal``)."""
+    from an empty cache: ``causal``). ``adapters``: the served LoRA adapter of each sequence
+    (``-1``: the base alone; empty: none for any), which the routed layers read per token."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
@@ -111,6 +112,7 @@ class StepBatch:
     mask: torch.Tensor | None
     pool: KVPool
     causal: bool = False  # mask None and T == L: query row t sees slots 0..t
+    adapters: tuple[int, ...] = ()
     read_flat: torch.Tensor = field(init=False)  # read_slots.view(-1), what every layer gathers
 
     def __post_init__(self) -> None:
@@ -124,9 +126,11 @@ class StepBatch:
         block_tables: Sequence[Sequence[int]],
         block_size: int,
         pool: KVPool,
+        adapters: Sequence[int] = (),
     ) -> StepBatch:
         """The batch of sequences ``s`` with ``new_tokens[s]`` after ``past[s]`` cached tokens,
-        whose slots are in ``block_tables[s]`` (enough blocks for ``past[s] + len(new_tokens[s])``).
+        whose slots are in ``block_tables[s]`` (enough blocks for ``past[s] + len(new_tokens[s])``),
+        using the served adapter ``adapters[s]`` (empty: the base alone for all).
 
         It runs once per step, between the model's forwards (with the caches cold), so it makes
         its indices with few whole-batch numpy calls and hands them to torch at the end."""
@@ -168,6 +172,7 @@ class StepBatch:
             mask=mask,
             pool=pool,
             causal=plain_prefill and width > 1,
+            adapters=tuple(adapters) if any(a >= 0 for a in adapters) else (),
         )
 
 

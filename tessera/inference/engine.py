@@ -71,6 +71,7 @@ class InferenceEngine:
         self.sampler = self.world.size - ctx.size("tensor")  # the last stage's first tensor rank
         self.samples = ctx.rank == self.sampler
         self.scheduler: Scheduler | None = None
+        routing = getattr(runner, "routing", None)  # a runner of its own (rlhf's tap) may serve no adapters
         if self.driver:
             allocator = BlockAllocator(self.options.num_blocks, self.options.block_size)
             self.scheduler = Scheduler(
@@ -78,6 +79,7 @@ class InferenceEngine:
                 max_len=runner.max_len,
                 max_batch=self.options.max_batch,
                 max_prefill_tokens=self.options.max_prefill_tokens,
+                adapters=routing.count if routing is not None else 0,
             )
         self._generators: dict[str, torch.Generator | None] = {}
         self._drawn = 0
@@ -90,7 +92,9 @@ class InferenceEngine:
         ``torch.inference_mode``: no op of the step keeps autograd's version counters or views
         (about 4% of a small model's decode step on a CPU)."""
         self._forget(plan.finished)
-        batch = StepBatch.build(plan.new_tokens, plan.past, plan.block_tables, self.options.block_size, self.pool)
+        batch = StepBatch.build(
+            plan.new_tokens, plan.past, plan.block_tables, self.options.block_size, self.pool, plan.adapters
+        )
         hidden = None
         if not self.runner.first:
             shape = (*batch.tokens.shape, self.runner.hidden_size)
@@ -129,8 +133,9 @@ class InferenceEngine:
             raise RuntimeError("only rank 0 takes requests: the other ranks follow its plans")
         return self.scheduler
 
-    def add_request(self, request_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
-        self._scheduler().add(request_id, list(prompt), params)
+    def add_request(self, request_id: str, prompt: Sequence[int], params: SamplingParams, adapter: int = -1) -> None:
+        """Queue a request; ``adapter``: the served LoRA adapter it uses (-1: the base alone)."""
+        self._scheduler().add(request_id, list(prompt), params, adapter)
 
     def abort(self, request_id: str) -> bool:
         return self._scheduler().abort(request_id)
@@ -175,16 +180,22 @@ class InferenceEngine:
         params: SamplingParams | Sequence[SamplingParams],
         *,
         arrivals: Sequence[int] | None = None,
+        adapters: Sequence[int] | None = None,
     ) -> list[Result]:
         """Generate for every prompt (collective: every rank calls it with the same arguments and
         gets the results). ``arrivals[i]``: the step before which request ``i`` joins (default 0:
-        all at once), to exercise continuous batching."""
+        all at once), to exercise continuous batching; ``adapters[i]``: the served LoRA adapter
+        of prompt ``i`` (default: -1, the base alone)."""
         each = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(each) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(each)} sampling parameters")
+        chosen = list(adapters) if adapters is not None else [-1] * len(prompts)
+        if len(chosen) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(chosen)} adapters")
         results: list[Result | None] = [None] * len(prompts)
         if self.driver:
-            self._drive(prompts, each, list(arrivals) if arrivals is not None else [0] * len(prompts), results)
+            starts = list(arrivals) if arrivals is not None else [0] * len(prompts)
+            self._drive(prompts, each, starts, chosen, results)
             self.finish("done")
         else:
             self.follow()
@@ -197,6 +208,7 @@ class InferenceEngine:
         prompts: Sequence[Sequence[int]],
         params: list[SamplingParams],
         arrivals: list[int],
+        adapters: list[int],
         results: list[Result | None],
     ) -> None:
         scheduler = self._scheduler()
@@ -208,7 +220,7 @@ class InferenceEngine:
         while next_new < len(order) or scheduler.has_work:
             while next_new < len(order) and arrivals[order[next_new]] <= step:
                 i = order[next_new]
-                scheduler.add(ids[i], list(prompts[i]), params[i])
+                scheduler.add(ids[i], list(prompts[i]), params[i], adapters[i])
                 next_new += 1
             for out in self.step():
                 if out.token is not None:
@@ -219,7 +231,7 @@ class InferenceEngine:
 
     def serve(self, receive: Callable[[float], list[Any]], emit: Callable[[list[Output]], None]) -> None:
         """Rank 0's loop behind the server: ``receive(timeout)`` returns the messages that came
-        in (``("add", id, prompt, params)``, ``("abort", id)``, ``("stop",)``), waiting up to
+        in (``("add", id, prompt, params, adapter)``, ``("abort", id)``, ``("stop",)``), waiting up to
         ``timeout`` seconds when there is nothing to run; ``emit`` takes each step's outputs
         (possibly none: the caller reads the scheduler's gauges then).
         A request that cannot run is answered with an output whose finish reason is
@@ -237,9 +249,9 @@ class InferenceEngine:
                 if message[0] == "abort":
                     scheduler.abort(message[1])
                 elif message[0] == "add":
-                    _, request_id, prompt, params = message
+                    _, request_id, prompt, params, adapter = message
                     try:
-                        scheduler.add(request_id, list(prompt), params)
+                        scheduler.add(request_id, list(prompt), params, adapter)
                     except ValueError as exc:
                         refused.append(Output(request_id, None, f"error: {exc}"))
             # one emit per pass: the step's outputs carry the refusals, and its gauges those of

@@ -18,7 +18,9 @@ norms, heads).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from functools import partial
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -29,10 +31,12 @@ from tessera.context import ParallelContext
 from tessera.errors import ConfigError
 from tessera.hf import prepare as prepare_hf
 from tessera.hf.apply import is_hf_model
+from tessera.inference.adapters import install_adapters
 from tessera.inference.cache import StepBatch, paged_attention
 from tessera.inference.quantize import quantize_int8
 from tessera.init.materialise import Source, capture, check_recording, loadable, materialise
 from tessera.init.recording import continue_recording, recording_of
+from tessera.lora.routing import AdapterRouting
 from tessera.memory.deferred import to_device
 from tessera.models.gpt import GPT
 from tessera.parallel.pipeline.inputs import running_inputs
@@ -51,6 +55,7 @@ class Runner(Protocol):
     vocab_size: int
     max_len: int  # longest sequence (prompt and generated tokens) the model's positions cover
     dtype: torch.dtype  # of the hidden states sent between stages
+    # (the runners of prepare_model also have ``routing``: their served adapters' AdapterRouting, or None)
 
     def forward(self, batch: StepBatch, hidden: torch.Tensor | None) -> torch.Tensor:
         """``hidden`` ``[S, T, hidden_size]`` from the previous stage (None on the first) ->
@@ -85,14 +90,22 @@ def _stage_range(layers: list[nn.Module], ctx: ParallelContext) -> tuple[int, in
 
 
 def prepare_model(
-    model: nn.Module, ctx: ParallelContext, init: Source = "random", *, quantize: str | None = None
+    model: nn.Module,
+    ctx: ParallelContext,
+    init: Source = "random",
+    *,
+    quantize: str | None = None,
+    adapters: Sequence[str | Path] = (),
 ) -> Runner:
     """Lay ``model`` (tessera's GPT, built under ``ctx``, or a ``transformers`` causal LM) out for
     ``ctx``, fill this rank's part from ``init`` (``"random"``: a deferred model's recorded
     construction; a tessera checkpoint folder or full-state ``.safetensors`` file; for a model
     from ``tessera.hf.from_pretrained``, ``"random"`` reads its folder) and return its runner.
     ``quantize="int8"``: this rank's linear layers get int8 weights with per-channel scales
-    (:func:`tessera.inference.quantize.quantize_int8`)."""
+    (:func:`tessera.inference.quantize.quantize_int8`). ``adapters``: PEFT LoRA folders served
+    over this one base (:func:`tessera.inference.adapters.install_adapters`), adapter ``i`` the
+    folder ``adapters[i]``, chosen per sequence by :attr:`StepBatch.adapters`; under int8 the base
+    is quantized and the adapters keep the model's dtype."""
     if quantize not in (None, "int8"):
         raise ConfigError(f"quantize={quantize!r}: tessera quantizes weights to 'int8' (or None: full precision)")
     if ctx.size("sequence") > 1 or ctx.size("data") > 1:
@@ -121,12 +134,17 @@ def prepare_model(
     kept = {id(p) for layer in layers[start:end] for p in layer.parameters()}
     _fill(model, _Holding(model, kept, ctx), ctx, init)
     model.eval()
+    routing = install_adapters(model, adapters, ctx) if adapters else None
     if quantize == "int8":  # this stage's layers (another stage's weights were never made here)
         quantize_int8(model, skip=_not_made)
+    runner: GPTRunner | HFRunner
     if hf:
-        return HFRunner(model, layers[start:end], start == 0, end == len(layers), ctx)
-    assert isinstance(model, GPT)
-    return GPTRunner(model, start, end, ctx)
+        runner = HFRunner(model, layers[start:end], start == 0, end == len(layers), ctx)
+    else:
+        assert isinstance(model, GPT)
+        runner = GPTRunner(model, start, end, ctx)
+    runner.routing = routing
+    return runner
 
 
 def _not_made(_: str, module: nn.Module) -> bool:
@@ -178,9 +196,11 @@ class GPTRunner:
         self.blocks = [(i, model.blocks[i]) for i in range(max(start - 1, 0), min(end - 1, cfg.n_layers))]
         self.hidden_size, self.vocab_size, self.max_len = cfg.d_model, cfg.vocab_size, cfg.max_seq_len
         self.dtype: torch.dtype = next(p for p in model.parameters() if not p.is_meta).dtype
+        self.routing: AdapterRouting | None = None
 
     @torch.no_grad()
     def forward(self, batch: StepBatch, hidden: torch.Tensor | None) -> torch.Tensor:
+        _route(self.routing, batch)
         x = self.model.embed(batch.tokens, batch.positions) if self.first else hidden
         assert x is not None
         for index, block in self.blocks:
@@ -189,6 +209,15 @@ class GPTRunner:
             return x
         logits = self.model.head(x[:, -1:])[:, 0]
         return _gather_vocab(logits, self.vocab_size, self.ctx).float()
+
+
+def _route(routing: AdapterRouting | None, batch: StepBatch) -> None:
+    """Set the step's adapter per token for the routed layers (every token of a sequence uses
+    the sequence's adapter; a batch that names none runs the base alone)."""
+    if routing is None:
+        return
+    count, width = batch.tokens.shape
+    routing.route(batch.adapters or (-1,) * count, width)
 
 
 def _attend(layer: int, batch: StepBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -212,9 +241,11 @@ class HFRunner:
         self.vocab_size = int(config.vocab_size)
         self.max_len = int(getattr(config, "max_position_embeddings", None) or config.n_positions)
         self.dtype = next(p for p in model.parameters() if not p.is_meta).dtype
+        self.routing: AdapterRouting | None = None
 
     @torch.no_grad()
     def forward(self, batch: StepBatch, hidden: torch.Tensor | None) -> torch.Tensor:
+        _route(self.routing, batch)
         inputs: dict[str, Any] = {
             "input_ids": batch.tokens,
             "position_ids": batch.positions,

@@ -28,6 +28,7 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)
     cached: int = 0  # tokens whose keys and values are in the cache
     budget: int = 0  # most tokens the sequence will ever hold (prompt + max_tokens, capped)
+    adapter: int = -1  # the served LoRA adapter it uses (-1: the base alone)
     finish_reason: str | None = None
 
 
@@ -35,7 +36,8 @@ class Sequence:
 class StepPlan:
     """What every rank runs in one step (sent from rank 0 to all): per sequence, its new tokens,
     how many it has cached and its block table; the sampling parameters travel for the rank
-    that samples. ``kind``: "prefill", "decode", "idle" (nothing to run) or "stop"."""
+    that samples; ``adapters`` the served LoRA adapter of each sequence (-1: none). ``kind``:
+    "prefill", "decode", "idle" (nothing to run) or "stop"."""
 
     kind: str
     request_ids: tuple[str, ...] = ()
@@ -43,6 +45,7 @@ class StepPlan:
     past: tuple[int, ...] = ()
     block_tables: tuple[tuple[int, ...], ...] = ()
     params: tuple[SamplingParams, ...] = ()
+    adapters: tuple[int, ...] = ()
     finished: tuple[str, ...] = ()  # requests ended since the last plan (the sampler drops their generators)
 
 
@@ -59,25 +62,34 @@ class Scheduler:
     """Admission, step plans and bookkeeping for continuous batching over ``allocator``'s blocks."""
 
     def __init__(
-        self, allocator: BlockAllocator, *, max_len: int, max_batch: int = 64, max_prefill_tokens: int = 4096
+        self,
+        allocator: BlockAllocator,
+        *,
+        max_len: int,
+        max_batch: int = 64,
+        max_prefill_tokens: int = 4096,
+        adapters: int = 0,
     ) -> None:
         self.allocator = allocator
         self.max_len, self.max_batch, self.max_prefill_tokens = max_len, max_batch, max_prefill_tokens
+        self.adapters = adapters  # served LoRA adapters: a request names one of 0 .. adapters-1, or -1
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}
         self._ended: list[str] = []
 
     # ---- requests ---------------------------------------------------------------------------
-    def add(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
-        """Queue a request; raises ValueError when it could never run (empty, too long, too big
-        for the whole cache)."""
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams, adapter: int = -1) -> None:
+        """Queue a request (with the served LoRA adapter ``adapter``, -1: none); raises ValueError
+        when it could never run (empty, too long, too big for the whole cache, no such adapter)."""
         if request_id in self.running or any(s.request_id == request_id for s in self.waiting):
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt:
             raise ValueError("the prompt is empty: give at least one token")
         if len(prompt) >= self.max_len:
             raise ValueError(f"the prompt has {len(prompt)} tokens; the model holds {self.max_len} in all")
-        seq = Sequence(request_id, list(prompt), params)
+        if not -1 <= adapter < self.adapters:
+            raise ValueError(f"adapter {adapter} does not exist: {self.adapters} adapters are served (-1: none)")
+        seq = Sequence(request_id, list(prompt), params, adapter=adapter)
         seq.budget = min(len(prompt) + params.max_tokens, self.max_len)
         if self.allocator.blocks_for(seq.budget) > self.allocator.num_blocks:
             raise ValueError(
@@ -150,6 +162,7 @@ class Scheduler:
             past=tuple(s.cached for s in seqs),
             block_tables=tuple(tuple(s.blocks) for s in seqs),
             params=tuple(s.params for s in seqs),
+            adapters=tuple(s.adapter for s in seqs) if any(s.adapter >= 0 for s in seqs) else (),
             finished=self._take_ended(),
         )
 

@@ -33,6 +33,7 @@ class ModelInfo:
     name: str
     max_model_len: int  # prompt plus generated tokens
     vocab_size: int
+    adapters: tuple[str, ...] = ()  # the served LoRA adapters' names (a request's ``model`` picks one)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -50,13 +51,16 @@ class Tokenizer(Protocol):
 class Backend(Protocol):
     """Runs requests. ``generate`` yields a request's chunks as they are made, ending with the
     one that has a ``finish_reason``; leaving the iteration early (a client that went away)
-    must free the request's KV blocks. ``abort`` of a request that is unknown or already
-    finished does nothing (the server may abort a request its iterator also cancels)."""
+    must free the request's KV blocks; ``adapter``: the name of one of ``info.adapters`` to run
+    the request with (None: the base model alone). ``abort`` of a request that is unknown or
+    already finished does nothing (the server may abort a request its iterator also cancels)."""
 
     info: ModelInfo
     tokenizer: Tokenizer
 
-    def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[Chunk]: ...
+    def generate(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, adapter: str | None = None
+    ) -> AsyncIterator[Chunk]: ...
 
     async def abort(self, request_id: str) -> None: ...
 

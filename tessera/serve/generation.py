@@ -28,6 +28,7 @@ class Job:
     include_usage: bool
     shape: CompletionShape | ChatShape  # builds the response bodies
     arrived: float  # time.monotonic() when the request came in
+    adapter: str | None = None  # the served LoRA adapter the request's model names (None: the base)
 
 
 class Generation:
@@ -61,7 +62,7 @@ class Generation:
         """The answer's text in pieces (never empty ones), up to a stop string or the end."""
         job = self.job
         text = TextStream(self._backend.tokenizer, job.params.stop)
-        self._chunks = self._backend.generate(job.request_id, job.prompt_ids, job.params)
+        self._chunks = self._backend.generate(job.request_id, job.prompt_ids, job.params, adapter=job.adapter)
         async for chunk in self._chunks:
             self._count(chunk.token_ids)
             piece = text.push(chunk.token_ids) if chunk.token_ids else ""

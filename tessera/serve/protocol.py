@@ -11,6 +11,7 @@ different answer from the one it asked for.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -286,11 +287,17 @@ def wants_param(message: str) -> str | None:
     return name if "=" in message and name.isidentifier() else None
 
 
-def check_model(name: str | None, served_name: str) -> None:
-    """404 unless ``name`` is the served model's (or None: a request that names none)."""
-    if name is not None and name != served_name:
-        message = f"the model {name!r} does not exist; this server serves {served_name!r}"
-        raise APIError(404, message, param="model", code="model_not_found")
+def check_model(name: str | None, served_name: str, adapters: Sequence[str] = ()) -> str | None:
+    """The LoRA adapter a request's ``model`` names: one of ``adapters``, or None for the served
+    base model (or a request that names none); 404 for any other name."""
+    if name is None or name == served_name:
+        return None
+    if name in adapters:
+        return name
+    message = f"the model {name!r} does not exist; this server serves {served_name!r}"
+    if adapters:
+        message += f" and its adapters {', '.join(map(repr, adapters))}"
+    raise APIError(404, message, param="model", code="model_not_found")
 
 
 def check_token_ids(ids: list[int], vocab_size: int) -> list[int]:

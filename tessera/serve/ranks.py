@@ -4,7 +4,7 @@ processes that run ``tessera.inference`` and talks to rank 0 over a local connec
 The server process never holds the model. It listens on a loopback socket with a random key;
 each rank is ``python -m tessera.serve.ranks`` (joined by ``tessera.launch``), builds its part
 of the model, and rank 0 connects back and runs the engine's ``serve`` loop: between steps it
-takes ``("add", id, prompt, params)``, ``("abort", id)`` and ``("stop",)`` messages, and after
+takes ``("add", id, prompt, params, adapter)``, ``("abort", id)`` and ``("stop",)`` messages, and after
 each step it sends ``("out", [(id, token, finish_reason), ...], stats)``. A reader thread in the
 server turns those into each request's chunks. When the ranks die, every open request ends
 with an error and ``/health`` reports it.
@@ -29,7 +29,7 @@ from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
 
-from tessera.errors import TesseraError
+from tessera.errors import ConfigError, TesseraError
 from tessera.inference.engine import CacheOptions
 from tessera.inference.params import SamplingParams
 from tessera.serve.backend import Chunk, ModelInfo
@@ -45,7 +45,8 @@ class RanksFailed(TesseraError, RuntimeError):
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """How the ranks run the model: the layout, the KV cache, the batch, int8 weights."""
+    """How the ranks run the model: the layout, the KV cache, the batch, int8 weights, and the
+    LoRA adapters served over it (``(name, PEFT folder)`` pairs; adapter ``i`` is the ``i``-th)."""
 
     tensor: int = 1
     pipeline: int = 1
@@ -55,9 +56,19 @@ class EngineOptions:
     max_prefill_tokens: int = 4096
     quantize: str | None = None  # "int8": int8 weight-only linear layers
     max_model_len: int | None = None  # cap below the model's positions
+    adapters: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         self.cache  # noqa: B018 (validated here, in the server, before any rank starts)
+        object.__setattr__(self, "adapters", tuple((str(n), str(f)) for n, f in self.adapters))  # JSON gives lists
+        names = [name for name, _ in self.adapters]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice or any(not name for name in names):
+            raise ConfigError(f"adapter names must be distinct and non-empty; got {names} ({', '.join(twice)} twice)")
+
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.adapters)
 
     @property
     def world_size(self) -> int:
@@ -88,7 +99,7 @@ class RankBackend:
     def __init__(self, source: ModelSource, options: EngineOptions, *, log_dir: Path, start_timeout: float = 600.0):
         self.source, self.options, self.log_dir = source, options, Path(log_dir)
         self.tokenizer = load_tokenizer(source)
-        self.info = ModelInfo(name=source.name, max_model_len=0, vocab_size=0)
+        self.info = ModelInfo(name=source.name, max_model_len=0, vocab_size=0, adapters=options.adapter_names)
         self._procs: list[subprocess.Popen[bytes]] = []
         self._conn: Connection | None = None
         self._send_lock = threading.Lock()
@@ -133,7 +144,10 @@ class RankBackend:
             self.close_now()
             raise RanksFailed(f"rank 0 failed to load the model: {hello[1]}")
         self.info = ModelInfo(
-            name=self.source.name, max_model_len=int(hello[1]["max_model_len"]), vocab_size=int(hello[1]["vocab_size"])
+            name=self.source.name,
+            max_model_len=int(hello[1]["max_model_len"]),
+            vocab_size=int(hello[1]["vocab_size"]),
+            adapters=self.options.adapter_names,
         )
         self._stats["kv_blocks_total"] = float(hello[1]["kv_blocks_total"])
         threading.Thread(target=self._read, name="tessera-serve-reader", daemon=True).start()
@@ -232,14 +246,18 @@ class RankBackend:
 
     # ---- the Backend protocol -----------------------------------------------------------------
     async def generate(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, adapter: str | None = None
     ) -> AsyncIterator[Chunk]:
+        names = self.options.adapter_names
+        if adapter is not None and adapter not in names:
+            raise ValueError(f"no adapter named {adapter!r}; this backend serves {list(names)}")
+        index = names.index(adapter) if adapter is not None else -1
         queue: asyncio.Queue[Chunk] = asyncio.Queue()
         key = f"{request_id}#{next(self._ids)}"  # unique on the wire even if a client reuses an id
         self._queues[key] = (asyncio.get_running_loop(), queue)
         done = False
         try:
-            self._send(("add", key, list(prompt_ids), params))
+            self._send(("add", key, list(prompt_ids), params, index))
             while True:
                 chunk = await queue.get()
                 done = chunk.finish_reason is not None
@@ -323,7 +341,8 @@ def _load(source: ModelSource, options: EngineOptions, rank: int) -> Any:
         port=os.environ["MASTER_PORT"],
     )
     model, init = build_model(source)
-    runner = prepare_model(model, ctx, init=init, quantize=options.quantize)
+    folders = [folder for _, folder in options.adapters]
+    runner = prepare_model(model, ctx, init=init, quantize=options.quantize, adapters=folders)
     if options.max_model_len is not None:
         runner.max_len = min(runner.max_len, options.max_model_len)
     return InferenceEngine(runner, ctx, options.cache)

@@ -21,9 +21,10 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def model_card(name: str, created: int, max_model_len: int) -> dict[str, Any]:
-    """One entry of ``GET /v1/models``."""
-    return {"id": name, "object": "model", "created": created, "owned_by": "tessera", "max_model_len": max_model_len}
+def model_card(name: str, created: int, max_model_len: int, parent: str | None = None) -> dict[str, Any]:
+    """One entry of ``GET /v1/models``; a LoRA adapter's names its base as ``parent`` (vLLM's field)."""
+    card = {"id": name, "object": "model", "created": created, "owned_by": "tessera", "max_model_len": max_model_len}
+    return card if parent is None else {**card, "parent": parent}
 
 
 class CompletionShape:

@@ -143,25 +143,32 @@ class OpenAIServer:
     def completion_job(self, body: Any, arrived: float) -> Job:
         """A ``/v1/completions`` body as a job (the prompt encoded, or its token ids checked)."""
         request: CompletionRequest = parse_request(CompletionRequest, body)
-        check_model(request.model, self.served_name)
+        adapter = check_model(request.model, self.served_name, self.backend.info.adapters)
         prompt = request.prompt_text_or_ids()
         if isinstance(prompt, str):
             prompt_ids = list(self.backend.tokenizer.encode(prompt))
         else:
             prompt_ids = check_token_ids(prompt, self.backend.info.vocab_size)
-        return self.job(request, prompt_ids, request.max_tokens, COMPLETIONS, arrived)
+        return self.job(request, prompt_ids, request.max_tokens, COMPLETIONS, arrived, adapter)
 
     def chat_job(self, body: Any, arrived: float) -> Job:
         """A ``/v1/chat/completions`` body as a job (the messages through the chat template)."""
         request: ChatCompletionRequest = parse_request(ChatCompletionRequest, body)
-        check_model(request.model, self.served_name)
+        adapter = check_model(request.model, self.served_name, self.backend.info.adapters)
         prompt_ids = chat_prompt(self.backend.tokenizer, request.messages)
-        return self.job(request, prompt_ids, request.requested_max_tokens, CHAT_COMPLETIONS, arrived)
+        return self.job(request, prompt_ids, request.requested_max_tokens, CHAT_COMPLETIONS, arrived, adapter)
 
     def job(
-        self, request: SamplingFields, prompt_ids: list[int], max_tokens: int | None, endpoint: str, arrived: float
+        self,
+        request: SamplingFields,
+        prompt_ids: list[int],
+        max_tokens: int | None,
+        endpoint: str,
+        arrived: float,
+        adapter: str | None = None,
     ) -> Job:
-        """The checks and the parts both endpoints share, and the job's id and response shape."""
+        """The checks and the parts both endpoints share, and the job's id and response shape
+        (answering under the adapter's name when the request named one)."""
         check_prompt_length(len(prompt_ids), self.limits)
         context = self.backend.info.max_model_len
         granted = resolve_max_tokens(max_tokens, len(prompt_ids), context, self.limits)
@@ -176,8 +183,9 @@ class OpenAIServer:
             params=params,
             stream=request.stream,
             include_usage=request.include_usage,
-            shape=shape_type(request_id, int(time.time()), self.served_name),
+            shape=shape_type(request_id, int(time.time()), adapter or self.served_name),
             arrived=arrived,
+            adapter=adapter,
         )
 
     async def admitted_job(self, request: Request, build: Callable[[Any, float], Job]) -> Job:
@@ -255,14 +263,17 @@ class OpenAIServer:
         self.metrics.requests.inc(endpoint=endpoint, status=str(status))
 
     def models(self) -> dict[str, Any]:
-        """``GET /v1/models``: the one served model."""
-        card = model_card(self.served_name, self.created, self.backend.info.max_model_len)
-        return {"object": "list", "data": [card]}
+        """``GET /v1/models``: the served model, then each LoRA adapter served over it."""
+        return {
+            "object": "list",
+            "data": [self.model(name) for name in (self.served_name, *self.backend.info.adapters)],
+        }
 
     def model(self, name: str) -> dict[str, Any]:
-        """``GET /v1/models/{name}``; 404 for another name."""
-        check_model(name, self.served_name)
-        return model_card(self.served_name, self.created, self.backend.info.max_model_len)
+        """``GET /v1/models/{name}``; 404 for a name that is neither the model nor an adapter."""
+        adapter = check_model(name, self.served_name, self.backend.info.adapters)
+        parent = self.served_name if adapter is not None else None
+        return model_card(name, self.created, self.backend.info.max_model_len, parent=parent)
 
     def metrics_page(self) -> str:
         """``GET /metrics``: the server's counters and the engine's gauges, Prometheus' text format."""

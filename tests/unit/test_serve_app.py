@@ -45,22 +45,24 @@ class FakeTokenizer(ByteTokenizer):
 class ReversingBackend:
     """Answers a prompt with its bytes reversed, then EOS, cycling on when EOS is not a stop
     token; honours max_tokens; a prompt that starts with FAIL gets an engine error on its third
-    token, one that starts with CRASH an exception there. Records every request's prompt and params, the aborts, and whether it was closed."""
+    token, one that starts with CRASH an exception there. Records every request's prompt, params and adapter, the aborts, and whether it was closed."""
 
-    def __init__(self) -> None:
-        self.info = ModelInfo(name="reverser", max_model_len=CONTEXT, vocab_size=EOS + 1)
+    def __init__(self, adapters: tuple[str, ...] = ()) -> None:
+        self.info = ModelInfo(name="reverser", max_model_len=CONTEXT, vocab_size=EOS + 1, adapters=adapters)
         self.tokenizer = FakeTokenizer()
         self.prompts: dict[str, bytes] = {}
         self.params: dict[str, SamplingParams] = {}
+        self.adapters: dict[str, str | None] = {}
         self.aborted: set[str] = set()
         self.running = 0
         self.closed = False
 
     async def generate(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, adapter: str | None = None
     ) -> AsyncIterator[Chunk]:
         self.prompts[request_id] = bytes(prompt_ids)
         self.params[request_id] = params
+        self.adapters[request_id] = adapter
         self.running += 1
         try:
             script = [*reversed(prompt_ids), EOS]
@@ -451,3 +453,25 @@ def test_check_host_refuses_a_public_host_unless_named():
 def test_limits_are_validated():
     with pytest.raises(ConfigError, match="max_tokens=0"):
         Limits(max_tokens=0)
+
+
+def test_a_requests_model_picks_its_lora_adapter_and_models_lists_them():
+    backend = ReversingBackend(adapters=("sql", "poems"))
+    with serving(create_app(backend, served_name=MODEL, limits=LIMITS)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=10)
+        cards = client.models.list().data
+        assert [m.id for m in cards] == [MODEL, "sql", "poems"]
+        assert [getattr(m, "parent", None) for m in cards] == [None, MODEL, MODEL]
+        answers = {
+            name: client.completions.create(model=name, prompt=name, max_tokens=3) for name in (MODEL, "sql", "poems")
+        }
+        chat = client.chat.completions.create(model="poems", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+        with pytest.raises(openai.NotFoundError) as error:
+            client.completions.create(model="prose", prompt="x", max_tokens=1)
+        assert httpx.get(url + "/v1/models/sql").json()["parent"] == MODEL
+        assert httpx.get(url + "/v1/models/prose").status_code == 404
+    assert {backend.adapters[a.id] for a in answers.values()} == {None, "sql", "poems"}
+    assert all(backend.adapters[a.id] == (None if a.model == MODEL else a.model) for a in answers.values())
+    assert backend.adapters[chat.id] == "poems" and chat.model == "poems"
+    message = error.value.response.json()["error"]["message"]
+    assert f"serves '{MODEL}' and its adapters 'sql', 'poems'" in message
