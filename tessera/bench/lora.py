@@ -20,7 +20,8 @@ Two phases: ``setup`` (the build; a quantized base exists in full precision unti
 quantized: quantizing while loading is not built yet) and ``train`` (the steps, the peak reset
 after the build). ``trainable``: the parameters the side trains. The largest model: layers are
 added (hidden size fixed) until a side's training growth passes the budget, for full
-fine-tuning and for LoRA on an NF4 base.
+fine-tuning, for LoRA on an NF4 base and for LoRA on an NF4 base whose shards Gemini keeps on
+disk (``gemini.frozen_tier = "disk"``).
 """
 
 from __future__ import annotations

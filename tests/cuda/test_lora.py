@@ -1,7 +1,8 @@
 """LoRA on the device: quantizing a base on the GPU gives the CPU's codes, and 10 steps of LLaMA
 with adapters on an NF4 base (double-quantized absmaxes) through the engine give the CPU run's
 losses and adapters (fp32), or track them (bf16 autocast); the base stays codes on the device,
-unchanged, with no gradient."""
+unchanged, with no gradient; one-rank ZeRO-3, which releases the frozen base's chunks between
+uses, gives the plain engine's run."""
 
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ def test_quantizing_on_the_device_gives_the_cpus_codes(device, fmt, double_quant
     torch.testing.assert_close(on_device.weight_value().cpu(), on_cpu.weight_value(), rtol=1e-5, atol=1e-7 + step)
 
 
-def lora_run(device: torch.device, dtype: str):
-    use_layout(config={"mixed_precision": {"dtype": dtype}}, device=device)
+def lora_run(device: torch.device, dtype: str, stage: int = 0):
+    use_layout(config={"mixed_precision": {"dtype": dtype}, "zero": {"stage": stage, "chunk_mb": 0.004}}, device=device)
     model = quantize(adapted("llama"), "nf4", double_quant=True)
     base = {k: v.clone() for k, v in model.state_dict().items() if ".lora_" not in k}
     engine, *_ = tessera.initialize(model, optimizer_of(model), loss_of)
@@ -73,3 +74,12 @@ def test_lora_on_an_nf4_base_on_the_device_matches_the_cpu_run(device, cpu_fp32)
 
 def test_bf16_lora_on_an_nf4_base_tracks_the_fp32_cpu_run(device, cpu_fp32):
     check_run(lora_run(device, "bf16"), cpu_fp32, rtol=3e-2, atol=3e-2)
+
+
+def test_one_rank_zero3_with_a_released_frozen_base_on_the_device_matches_the_plain_engine(device):
+    plain = lora_run(device, "fp32")
+    got = lora_run(device, "fp32", stage=3)
+    frozen = got[3].optimizer.frozen
+    assert frozen.chunks and all(c.full.device == device for c in frozen.chunks)
+    assert all(t.untyped_storage().nbytes() == 0 for t in frozen.tensors), "released between steps"
+    check_run(got, plain, rtol=1e-5, atol=1e-6)
