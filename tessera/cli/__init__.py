@@ -242,7 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="plan: measure this machine first and rank the predicted step times against the measured ones",
     )
-    bench.add_argument("--only", default=None, help="plan: comma-separated indices of the layouts to measure")
+    bench.add_argument(
+        "--only",
+        default=None,
+        help="plan: comma-separated indices of the layouts to measure; lora: 'largest' (only the largest-model searches)",
+    )
     bench.add_argument(
         "--scenarios",
         action="store_true",
