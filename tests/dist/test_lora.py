@@ -168,6 +168,18 @@ LAYOUTS = {
             }
         },
     ),  # fmt: skip
+    "pp2-tp2-dp2": dict(
+        pipeline=2,
+        tensor=2,
+        data=2,
+        config={
+            "parallel": {
+                "data": 2,
+                "pipeline": {"size": 2, "schedule": "1f1b", "microbatches": 2},
+                "tensor": {"size": 2, "mode": "1d"},
+            }
+        },
+    ),  # fmt: skip
     "tp2-sequence-parallel": dict(
         tensor=2,
         sequence_parallel=True,
