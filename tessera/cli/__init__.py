@@ -144,9 +144,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise NotAvailableError(f"no benchmark named {args.target!r}; available: {known}")
     if getattr(args, "tokens", None) is not None and args.target != "tp":
         raise ConfigError(f"--tokens applies to `tessera bench tp` only, not {args.target!r}")
-    for flag in ("calibrate", "only", "scenarios"):
+    for flag in ("calibrate", "scenarios"):
         if getattr(args, flag, None) and args.target != "plan":
             raise ConfigError(f"--{flag} applies to `tessera bench plan` only, not {args.target!r}")
+    if getattr(args, "only", None) and args.target not in ("plan", "lora"):
+        raise ConfigError(f"--only applies to `tessera bench plan` and `tessera bench lora` only, not {args.target!r}")
     print(f"tessera bench {args.target}: {BENCH_HELP[args.target]}", file=sys.stderr, flush=True)
     module, func = BENCH_TARGETS[args.target].split(":")
     return int(getattr(importlib.import_module(module), func)(args) or 0)
