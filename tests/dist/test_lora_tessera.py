@@ -1,0 +1,178 @@
+"""LoRA adapters on tessera's own GPT, built in its layout: 1D column- and row-parallel linears
+(fused q/k/v) with and without sequence-parallel regions, the 2D grid linears, and MoE experts
+spread over the expert axis (with 1D tensor parallelism inside them). 10 AdamW steps under each
+layout equal the same model and adapters trained in one process (losses and adapter weights,
+fp32 ``tessera.testing.tolerance``); the frozen base is bitwise unchanged, and no rank holds a
+gradient, an optimizer state or a sharded piece for it. The comm ledger checks the bytes the 1D
+split adds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tessera
+import tessera.lora
+from tessera import comm
+from tessera.checkpoint import full_state_dict
+from tessera.context.placement import placement_of
+from tessera.errors import ConfigError
+from tessera.models import NextTokenLoss, gpt
+from tessera.parallel.tensor.common import local_shard
+from tessera.testing import tolerance, use_layout
+
+STEPS = 10
+TOL = tolerance(blocks=2, steps=STEPS)
+BATCH, SEQ, VOCAB, HIDDEN, LAYERS = 8, 16, 64, 32, 2
+RANK, ALPHA = 4, 8.0
+TARGETS = {"dense": ("qkv", "out", "fc", "proj"), "moe": ("qkv", "out", "experts")}
+
+
+def build(family: str) -> torch.nn.Module:
+    """A tiny GPT (dense, or with MoE blocks of 4 SwiGLU experts) in the current layout."""
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=VOCAB, max_seq_len=SEQ, d_model=HIDDEN, n_layers=LAYERS, n_heads=4)
+    if family == "moe":
+        return gpt("tiny-moe", **sizes, d_ff=32, num_experts=4)
+    return gpt("tiny", **sizes, d_ff=64)
+
+
+def adapted(family: str, rank: int = RANK) -> torch.nn.Module:
+    """``build(family)`` with adapters whose factors hold non-zero values (B too, so the first step
+    moves everything), drawn in full by name and cut as each factor is split: the same model in
+    every layout."""
+    model = tessera.lora.apply(build(family), rank=rank, alpha=ALPHA, targets=TARGETS[family])
+    g = torch.Generator().manual_seed(3)
+    factors = sorted((n, p) for n, p in model.named_parameters() if ".lora_" in n)
+    with torch.no_grad():
+        for _, param in factors:
+            placement = placement_of(param)
+            full = torch.randn(placement.full_shape(param), generator=g) * 0.1
+            if placement.shard is not None:
+                assert placement.mesh is not None
+                full = local_shard(full, placement.shard, placement.mesh)
+            param.copy_(full)
+    return model
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, VOCAB, (STEPS, BATCH, SEQ + 1), generator=g)
+    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+
+
+LAYOUTS = {
+    # name: (ranks, family, use_layout's sizes, parallel config)
+    "1d-tp2": (2, "dense", dict(tensor=2), {"tensor": {"size": 2, "mode": "1d"}}),
+    "1d-tp2-sequence-parallel": (
+        2, "dense", dict(tensor=2, sequence_parallel=True),
+        {"tensor": {"size": 2, "mode": "1d", "sequence_parallel": True}},
+    ),
+    "2d-tp4": (4, "dense", dict(tensor=4, mode="2d"), {"tensor": {"size": 4, "mode": "2d"}}),
+    "ep2": (2, "moe", dict(data=2, expert=2), {"data": 2, "expert": 2}),
+    "ep2-tp2": (4, "moe", dict(data=2, expert=2, tensor=2), {"data": 2, "expert": 2, "tensor": {"size": 2, "mode": "1d"}}),
+}  # fmt: skip
+
+
+def train(name: str | None, family: str, parts: int = 1):
+    """10 AdamW steps on this rank of layout ``name`` (None: one process accumulating ``parts``
+    micro-batches per step, the data ranks' shares: an MoE routes each micro-batch on its own).
+    The losses, the full state after and what this rank holds for frozen weights."""
+    if name is None:
+        ctx = use_layout(config={"gradient_accumulation": parts})
+    else:
+        _, _, sizes, parallel = LAYOUTS[name]
+        ctx = use_layout(**sizes, config={"parallel": parallel})
+    model = adapted(family)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-3)
+    engine, *_ = tessera.initialize(model, optimizer, NextTokenLoss())
+    data = ctx.size("data")
+    mine = slice(ctx.local_rank("data") * BATCH // data, (ctx.local_rank("data") + 1) * BATCH // data)
+    losses = [float(engine.train_batch(iter(zip(x[mine].chunk(parts), y[mine].chunk(parts), strict=True)))) for x, y in batches()]
+    frozen = {id(p): n for n, p in engine.model.named_parameters() if ".lora_" not in n}
+    held = [f"state of {frozen[id(p)]}" for p in engine.optimizer.state if id(p) in frozen]
+    held += [f"gradient of {n}" for n, p in engine.model.named_parameters() if id(p) in frozen and p.grad is not None]
+    stepped = [p for g in engine.optimizer.param_groups for p in g["params"]] + getattr(engine.optimizer, "params", [])
+    held += [f"{frozen[id(p)]} stepped" for p in stepped if id(p) in frozen]
+    return losses, full_state_dict(engine.model), held
+
+
+def initial_state(family: str) -> dict[str, torch.Tensor]:
+    use_layout(config={})
+    return {k: v.detach().clone() for k, v in adapted(family).state_dict().items()}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_lora_on_tesseras_gpt_trains_as_one_process(pools, name):
+    ranks, family, sizes, _ = LAYOUTS[name]
+    parts = sizes.get("data", 1)
+    expected_losses, expected, _ = train(None, family, parts)
+    initial = initial_state(family)
+    for losses, state, held in pools.run(ranks, train, name, family, timeout=600):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), **TOL)
+        assert set(state) == set(expected)
+        factors = [k for k in expected if ".lora_" in k]
+        assert len(factors) == LAYERS * (8 if family == "dense" else 10)
+        for key in factors:
+            assert not torch.equal(expected[key], initial[key]), f"{key} did not train"
+            torch.testing.assert_close(state[key], expected[key], **TOL, msg=lambda m, key=key: key + m)
+        base = [k for k in expected if ".lora_" not in k]
+        assert all(torch.equal(state[k], initial[k]) for k in base), "the frozen base moved"
+        assert held == [], "a frozen weight got a gradient, an optimizer state or a piece"
+
+
+# ---- what the adapters move ----------------------------------------------------------------------
+
+
+def tensor_bytes(rank: int) -> dict:
+    """The tensor axis's traffic of one step of the dense GPT with rank-``rank`` adapters under
+    1D tp2 with sequence-parallel regions."""
+    use_layout(tensor=2, sequence_parallel=True, config={"parallel": LAYOUTS["1d-tp2-sequence-parallel"][3]})
+    model = adapted("dense", rank)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    engine, *_ = tessera.initialize(model, optimizer, NextTokenLoss())
+    with comm.ledger() as ledger:
+        engine.train_batch(iter([batches()[0]]))
+    return {op: ledger.payload_bytes(op, "tensor") for op in ("all_reduce", "all_gather", "reduce_scatter")}
+
+
+def test_adapters_on_1d_linears_move_only_their_factors_gradients(pools):
+    """Per token the adapters move nothing: doubling the rank adds exactly the added factors'
+    gradients, summed once per backward (column-parallel qkv and fc: A, r x hidden; row-parallel
+    out and proj: B, hidden x r), to the all-reduces, and nothing to the all-gathers and
+    reduce-scatters of the sequence-parallel regions."""
+    small, large = (pools.run(2, tensor_bytes, rank, timeout=300)[0] for rank in (RANK, 2 * RANK))
+    element, added = 4, RANK
+    expected = LAYERS * (2 * added * HIDDEN + 2 * HIDDEN * added) * element
+    assert large["all_reduce"] - small["all_reduce"] == expected, (large, small)
+    assert large["all_gather"] == small["all_gather"] and large["reduce_scatter"] == small["reduce_scatter"]
+
+
+# ---- what is refused ------------------------------------------------------------------------------
+
+
+def adapt_the_head() -> str:
+    use_layout(tensor=2, config={"parallel": LAYOUTS["1d-tp2"][3]})
+    try:
+        tessera.lora.apply(build("dense"), targets=("lm_head",))
+    except ConfigError as error:
+        return str(error)
+    return "accepted"
+
+
+def quantize_a_split_base() -> str:
+    from tessera.lora.quant import quantize
+
+    use_layout(tensor=2, config={"parallel": LAYOUTS["1d-tp2"][3]})
+    try:
+        quantize(adapted("dense"), "int8")
+    except ConfigError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_what_adapters_do_not_follow_is_refused_naming_it(pools):
+    for message in pools.run(2, adapt_the_head, timeout=120):
+        assert "do not follow lm_head (VocabParallelClassifier1D)" in message
+    for message in pools.run(2, quantize_a_split_base, timeout=120):
+        assert "quantized frozen base cannot be split by tensor parallelism" in message
