@@ -18,14 +18,20 @@ before the adapter was put on (tessera's models, built in their layout) or after
   whole; ``B(A_k(x_k))`` is added to the base's partial product before its all-reduce (or
   reduce-scatter), which sums the ranks' parts, and ``B``'s gradient is summed over the tensor
   group once per backward (``out x r``);
-- grid base (2D, 2.5D, 3D): ``A`` and ``B`` are the mode's linears themselves (``in -> r`` and
-  ``r -> out``, ``B`` with the base's fused parts), mapping the activation layout to itself.
+- grid base (tessera's 2D, 2.5D, 3D linears): ``A`` is cut on ``in`` and ``B`` on ``out`` as
+  the activations' hidden dimension (``B`` per fused part), both replicated over the batch
+  blocks. ``A_h x_h`` is summed over the hidden groups (an all-reduce of ``r`` elements per
+  token forward, and one backward), after which ``B_h`` gives this rank's hidden block of the
+  output with no communication; both factors' gradients (partial: each rank saw its batch
+  block) are summed over the batch groups once per backward (``r x in/H + out/H x r``, ``H``
+  the hidden blocks). ``tessera.hf``'s grid policies instead make ``A`` and ``B`` grid layers.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -33,10 +39,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera import comm
-from tessera.context.placement import placement_of
+from tessera.comm import AxisGroup
 from tessera.errors import ConfigError
-from tessera.parallel.tensor.common import ShardSpec, local_range, local_shard, shard_parameter
-from tessera.parallel.tensor.modes import MODES
+from tessera.parallel.tensor.common import ShardSpec, all_reduce_forward_backward, local_range, shard_parameter
 from tessera.parallel.tensor.tp1d.functional import (
     TENSOR,
     column_parallel_linear,
@@ -84,6 +89,24 @@ def split_of(base: nn.Module) -> tuple[str, int]:
     return "none", 1
 
 
+def grid_lines(base: nn.Module) -> tuple[tuple[AxisGroup, ...], tuple[AxisGroup, ...]]:
+    """``(hidden, batch)``: the groups splitting a grid linear's activations' hidden dimension
+    (outermost first, as its ``ShardSpec`` lists them) and its batch."""
+    if isinstance(base, Linear3D):
+        cube = base.cube
+        return (cube.output, cube.input), (cube.weight,)
+    grid: Any = base.grid
+    return (grid.row,), tuple(grid.batch_groups)
+
+
+def _summed(grad: torch.Tensor, groups: tuple[AxisGroup, ...]) -> torch.Tensor:
+    """A factor's gradient, partial on each rank of ``groups``, summed over them."""
+    grad = grad.clone()
+    for group in groups:
+        grad = comm.all_reduce(grad, group)
+    return grad
+
+
 QUANTIZED_SPLIT = (
     "a quantized frozen base cannot be split by tensor parallelism (its codes are blocks of the "
     "whole weight); layouts that train it: data parallelism, ZeRO 1-3 and Gemini (parallel.tensor.size=1)"
@@ -120,7 +143,8 @@ class LoraLinear(nn.Module):
         self.lora_B = nn.Linear(rank, self.out_features, bias=False)
         self.enabled = True
         self.split = "none"  # how the adapter is split with its base: "none", "column", "row", "grid"
-        self._group: Any = None  # the tensor group, once split
+        self._group: Any = None  # the tensor group, once split in 1D
+        self._hidden: tuple[AxisGroup, ...] = ()  # the groups splitting the activations' hidden dimension (grid)
         with torch.no_grad():
             if init == "default":
                 nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
@@ -143,45 +167,34 @@ class LoraLinear(nn.Module):
 
     def _follow(self, base: nn.Module) -> dict[int, torch.Tensor]:
         """Make ``base`` (split over its ``ctx``) this layer's base and split the full factors
-        with it; old factor parameter id -> new."""
+        with it (module docstring); old factor parameter id -> new."""
         kind, groups = split_of(base)
         ctx: Any = getattr(base, "ctx", None)
         if kind == "none" or ctx is None:
             raise TypeError(f"LoRA adapters do not follow a base split as {type(base).__name__}")
         self.base_layer, self.split = base, kind
-        if kind == "grid":
-            return self._grid_factors(ctx, groups)
-        if kind == "column":  # B split on out as the base (each fused part on its own); A whole
-            split, whole = self.lora_B, self.lora_A
-            spec = ShardSpec((self.out_features, self.rank), ((TENSOR,), ()), (groups, 1))
-        else:  # row: A split on in as the base; B whole
-            split, whole = self.lora_A, self.lora_B
-            spec = ShardSpec((self.rank, self.in_features), ((), (TENSOR,)))
-        old = split.weight
-        split.weight = shard_parameter(old, spec, ctx)
-        self._group = ctx.group(TENSOR)
-        # the whole factor's gradient is partial on each rank (it sees this rank's part): summed
-        whole.weight.register_hook(self._summed)
-        return {id(old): split.weight}
-
-    def _grid_factors(self, ctx: Any, groups: int) -> dict[int, torch.Tensor]:
-        """``A`` and ``B`` as the grid mode's linears (``in -> r``, ``r -> out`` with the base's
-        fused parts), holding their blocks of the full factors."""
-        mode = MODES[ctx.dims.tensor_mode]
+        a_shape, b_shape = (self.rank, self.in_features), (self.out_features, self.rank)
+        if kind == "grid":  # both cut as the activations' hidden blocks; each sees its batch block
+            self._hidden, batch = grid_lines(base)
+            axes = tuple(g.name for g in self._hidden)
+            specs = {"lora_A": ShardSpec(a_shape, ((), axes)), "lora_B": ShardSpec(b_shape, (axes, ()), (groups, 1))}
+            summed = {"lora_A": batch, "lora_B": batch}
+        else:
+            self._group = ctx.group(TENSOR)
+            if kind == "column":  # B split on out as the base (each fused part on its own); A whole
+                specs = {"lora_B": ShardSpec(b_shape, ((TENSOR,), ()), (groups, 1))}
+            else:  # row: A split on in as the base; B whole
+                specs = {"lora_A": ShardSpec(a_shape, ((), (TENSOR,)))}
+            # the whole factor's gradient is partial on each rank (it sees this rank's part)
+            summed = {"lora_B" if kind == "row" else "lora_A": (self._group,)}
         replaced: dict[int, torch.Tensor] = {}
-        for name, (fan_in, fan_out, parts) in {
-            "lora_A": (self.in_features, self.rank, 1),
-            "lora_B": (self.rank, self.out_features, groups),
-        }.items():
-            old = getattr(self, name).weight
-            layer = mode.linear(fan_in, fan_out, False, out_groups=parts, ctx=ctx)
-            weight: Any = layer.weight
-            spec = placement_of(weight).shard
-            assert spec is not None
-            with torch.no_grad():
-                weight.copy_(local_shard(old.detach(), spec, ctx))
-            setattr(self, name, layer)
-            replaced[id(old)] = weight
+        for name, spec in specs.items():
+            factor = getattr(self, name)
+            old = factor.weight
+            factor.weight = shard_parameter(old, spec, ctx)
+            replaced[id(old)] = factor.weight
+        for name, over in summed.items():
+            getattr(self, name).weight.register_hook(partial(_summed, groups=over))
         return replaced
 
     # ---- forward ---------------------------------------------------------------------------------
@@ -192,6 +205,8 @@ class LoraLinear(nn.Module):
             return self._row_forward(x)
         if self.split == "column" and isinstance(self.base_layer, Linear1D_Col):
             return self._column_forward(x)
+        if self.split == "grid":
+            return self.base_layer(x, *args, **kwargs) + self._grid_adapter(x)
         return self.base_layer(x, *args, **kwargs) + self._adapter(x)
 
     def _adapter(self, x: torch.Tensor) -> torch.Tensor:
@@ -199,9 +214,14 @@ class LoraLinear(nn.Module):
         gathers their chunks), PEFT's order of operations."""
         return self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
-    def _summed(self, grad: torch.Tensor) -> torch.Tensor:
-        """A factor's gradient, partial on each tensor rank, summed over the group."""
-        return comm.all_reduce(grad.clone(), self._group)
+    def _grid_adapter(self, x: torch.Tensor) -> torch.Tensor:
+        """The adapter on a grid base: ``A``'s block times this rank's hidden block of ``x``,
+        summed over the hidden groups (``[..., r]`` whole: forward and backward, ``r`` elements
+        per token each), then ``B``'s block gives this rank's hidden block of the output."""
+        u = self.lora_A(self.lora_dropout(x))
+        for group in self._hidden:
+            u = all_reduce_forward_backward(u, group)
+        return self.lora_B(u) * self.scaling
 
     def _column_forward(self, x: torch.Tensor) -> torch.Tensor:
         """tessera's column-parallel base (which enters the tensor region itself) with the

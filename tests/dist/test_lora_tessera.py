@@ -1,10 +1,10 @@
 """LoRA adapters on tessera's own GPT, built in its layout: 1D column- and row-parallel linears
-(fused q/k/v) with and without sequence-parallel regions, the 2D grid linears, and MoE experts
-spread over the expert axis (with 1D tensor parallelism inside them). 10 AdamW steps under each
-layout equal the same model and adapters trained in one process (losses and adapter weights,
-fp32 ``tessera.testing.tolerance``); the frozen base is bitwise unchanged, and no rank holds a
-gradient, an optimizer state or a sharded piece for it. The comm ledger checks the bytes the 1D
-split adds."""
+(fused q/k/v) with and without sequence-parallel regions, the 2D, 2.5D and 3D grid linears, and
+MoE experts spread over the expert axis (with 1D tensor parallelism inside them). 10 AdamW steps
+under each layout equal the same model and adapters trained in one process (losses and adapter
+weights, fp32 ``tessera.testing.tolerance``); the frozen base is bitwise unchanged, and no rank
+holds a gradient, an optimizer state or a sharded piece for it. The comm ledger checks the bytes
+of the 1D and the grid splits against their formulas (docs/lora.md)."""
 
 from __future__ import annotations
 
@@ -69,6 +69,8 @@ LAYOUTS = {
         {"tensor": {"size": 2, "mode": "1d", "sequence_parallel": True}},
     ),
     "2d-tp4": (4, "dense", dict(tensor=4, mode="2d"), {"tensor": {"size": 4, "mode": "2d"}}),
+    "2.5d-tp8": (8, "dense", dict(tensor=8, mode="2.5d", depth=2), {"tensor": {"size": 8, "mode": "2.5d", "depth": 2}}),
+    "3d-tp8": (8, "dense", dict(tensor=8, mode="3d"), {"tensor": {"size": 8, "mode": "3d"}}),
     "ep2": (2, "moe", dict(data=2, expert=2), {"data": 2, "expert": 2}),
     "ep2-tp2": (4, "moe", dict(data=2, expert=2, tensor=2), {"data": 2, "expert": 2, "tensor": {"size": 2, "mode": "1d"}}),
 }  # fmt: skip
@@ -146,6 +148,44 @@ def test_adapters_on_1d_linears_move_only_their_factors_gradients(pools):
     expected = LAYERS * (2 * added * HIDDEN + 2 * HIDDEN * added) * element
     assert large["all_reduce"] - small["all_reduce"] == expected, (large, small)
     assert large["all_gather"] == small["all_gather"] and large["reduce_scatter"] == small["reduce_scatter"]
+
+
+def grid_bytes(name: str, rank: int) -> dict:
+    """Every axis's all-reduce bytes and every other collective's of one step of the dense GPT
+    with rank-``rank`` adapters under grid layout ``name``."""
+    _, _, sizes, parallel = LAYOUTS[name]
+    use_layout(**sizes, config={"parallel": parallel})
+    model = adapted("dense", rank)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    engine, *_ = tessera.initialize(model, optimizer, NextTokenLoss())
+    with comm.ledger() as ledger:
+        engine.train_batch(iter([batches()[0]]))
+    return {key: counts["payload_bytes"] for key, counts in ledger.summary().items()}
+
+
+GRID_AXES = {  # hidden axes (A x summed over them), batch axes (the factors' gradients summed), q
+    "2d-tp4": (("2d_row",), ("2d_col",), 2),
+    "3d-tp8": (("3d_output", "3d_input"), ("3d_weight",), 2),
+}
+
+
+@pytest.mark.parametrize("name", list(GRID_AXES))
+def test_adapters_on_grid_linears_move_the_formulas_bytes(pools, name):
+    """Per adapted layer, doubling the rank by ``r`` adds: on each hidden axis the all-reduce of
+    ``A_h x_h`` forward and of its gradient backward, ``2 r`` elements per token of this rank
+    (its batch block); on the batch axes the factors' gradients once per backward,
+    ``r (in + out) / H`` (``H`` hidden blocks); and nothing to any other collective."""
+    hidden_axes, batch_axes, q = GRID_AXES[name]
+    ranks = LAYOUTS[name][0]
+    small, large = (pools.run(ranks, grid_bytes, name, rank, timeout=300)[0] for rank in (RANK, 2 * RANK))
+    element, added, tokens = 4, RANK, BATCH // q * SEQ
+    blocks = q ** len(hidden_axes)
+    linears = [(HIDDEN, 3 * HIDDEN), (HIDDEN, HIDDEN), (HIDDEN, 64), (64, HIDDEN)]  # qkv, out, fc, proj
+    expected = {("all_reduce", axis): LAYERS * len(linears) * 2 * tokens * added * element for axis in hidden_axes}
+    for axis in batch_axes:
+        expected[("all_reduce", axis)] = LAYERS * sum(added * (i + o) // blocks for i, o in linears) * element
+    grown = {key: large[key] - small.get(key, 0) for key in large if large[key] != small.get(key, 0)}
+    assert grown == expected, (grown, expected)
 
 
 # ---- what is refused ------------------------------------------------------------------------------
