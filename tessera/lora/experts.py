@@ -98,6 +98,21 @@ class LoraExperts(nn.Module):
         if self._tensor is not None:  # the factor held whole over the tensor axis sees this rank's part
             (b_param if in_axes else a_param).register_hook(self._summed)
 
+    def factor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The full (single-process) shape of every factor by its key under this module
+        (``"lora_A.w_in.weight": (experts, r, in)``, ...)."""
+        shapes = {}
+        for name, factor in [*(("lora_A." + n, f) for n, f in self.lora_A.items()),
+                             *(("lora_B." + n, f) for n, f in self.lora_B.items())]:  # fmt: skip
+            weight: Any = factor.weight
+            shapes[name + ".weight"] = tuple(placement_of(weight).full_shape(weight))
+        return shapes
+
+    def delta(self, name: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """What projection ``name``'s full adapter factors ``a [experts, r, in]`` and
+        ``b [experts, out, r]`` add to its stacked weight ``[experts, in, out]``."""
+        return torch.bmm(b, a).transpose(1, 2) * self.scaling
+
     def _summed(self, grad: torch.Tensor) -> torch.Tensor:
         assert self._tensor is not None
         return comm.all_reduce(grad.clone(), self._tensor)
@@ -119,4 +134,9 @@ def is_adapter_target(module: Any) -> bool:
     return isinstance(module, GroupedExperts)
 
 
-__all__ = ["ExpertFactor", "LoraExperts", "is_adapter_target"]
+def adapted_experts(model: nn.Module) -> list[tuple[str, LoraExperts]]:
+    """``(name, layer)`` for every set of adapted experts of ``model``."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoraExperts)]
+
+
+__all__ = ["ExpertFactor", "LoraExperts", "adapted_experts", "is_adapter_target"]

@@ -67,3 +67,31 @@ def test_apply_adapts_the_experts_of_an_moe_and_disabled_switches_them_off():
 def test_a_rank_larger_than_the_experts_is_refused_naming_them():
     with pytest.raises(ConfigError, match=r"experts: lora.rank=9 must be between 1 and the experts' smaller"):
         tessera.lora.apply(MoE(8, 12, 4), rank=9, targets=("experts",))
+
+
+def small_moe_gpt() -> torch.nn.Module:
+    from tessera.models import gpt
+
+    torch.manual_seed(0)
+    return gpt("tiny-moe", vocab_size=32, max_seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=16, num_experts=4)
+
+
+def test_adapted_experts_save_load_and_merge_into_the_plain_model(tmp_path):
+    from tessera.hf.adapters import load_adapters, merged_state_dict, save_adapters
+
+    model = tessera.lora.apply(small_moe_gpt(), rank=RANK, alpha=ALPHA, targets=("qkv", "experts"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_" in name:
+                param.normal_(std=0.2)
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(tokens)
+    save_adapters(model, tmp_path / "adapter")
+    loaded = load_adapters(small_moe_gpt(), tmp_path / "adapter")
+    assert isinstance(loaded.get_submodule("blocks.1.mlp.experts"), LoraExperts)
+    plain = small_moe_gpt()
+    plain.load_state_dict(merged_state_dict(model))  # strict: the plain model's keys exactly
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens), expected)
+        torch.testing.assert_close(plain(tokens), expected, rtol=1e-5, atol=1e-5)
