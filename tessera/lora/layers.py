@@ -24,7 +24,7 @@ before the adapter was put on (tessera's models, built in their layout) or after
   token forward, and one backward), after which ``B_h`` gives this rank's hidden block of the
   output with no communication; both factors' gradients (partial: each rank saw its batch
   block) are summed over the batch groups once per backward (``r x in/H + out/H x r``, ``H``
-  the hidden blocks). ``tessera.hf``'s grid policies instead make ``A`` and ``B`` grid layers.
+  the hidden blocks).
 """
 
 from __future__ import annotations
@@ -86,12 +86,15 @@ def split_of(base: nn.Module) -> tuple[str, int]:
         return "row", 1
     if isinstance(module, (Linear2D, Linear3D)):
         return "grid", module.out_groups
+    if type(module).__name__ == "GridLinear":  # tessera.hf's grid stand-in
+        return "grid", module.groups
     return "none", 1
 
 
 def grid_lines(base: nn.Module) -> tuple[tuple[AxisGroup, ...], tuple[AxisGroup, ...]]:
     """``(hidden, batch)``: the groups splitting a grid linear's activations' hidden dimension
     (outermost first, as its ``ShardSpec`` lists them) and its batch."""
+    base = getattr(base, "kernel", base)  # tessera.hf's GridLinear: its mode layer's
     if isinstance(base, Linear3D):
         cube = base.cube
         return (cube.output, cube.input), (cube.weight,)
@@ -169,7 +172,7 @@ class LoraLinear(nn.Module):
         """Make ``base`` (split over its ``ctx``) this layer's base and split the full factors
         with it (module docstring); old factor parameter id -> new."""
         kind, groups = split_of(base)
-        ctx: Any = getattr(base, "ctx", None)
+        ctx: Any = getattr(getattr(base, "kernel", base), "ctx", None)  # a GridLinear's is its kernel's
         if kind == "none" or ctx is None:
             raise TypeError(f"LoRA adapters do not follow a base split as {type(base).__name__}")
         self.base_layer, self.split = base, kind
