@@ -24,7 +24,9 @@ before the adapter was put on (tessera's models, built in their layout) or after
   token forward, and one backward), after which ``B_h`` gives this rank's hidden block of the
   output with no communication; both factors' gradients (partial: each rank saw its batch
   block) are summed over the batch groups once per backward (``r x in/H + out/H x r``, ``H``
-  the hidden blocks).
+  the hidden blocks). Where factors that are the mode's linears (``in -> r``, ``r -> out``)
+  move fewer bytes (:func:`grid_linears_move_less`: a 3D layer narrower than ``(4 q - 2) r``,
+  2.5D keeping its blocks), they are that instead.
 """
 
 from __future__ import annotations
@@ -40,8 +42,16 @@ from torch import nn
 
 from tessera import comm
 from tessera.comm import AxisGroup
+from tessera.context.placement import placement_of
 from tessera.errors import ConfigError
-from tessera.parallel.tensor.common import ShardSpec, all_reduce_forward_backward, local_range, shard_parameter
+from tessera.parallel.tensor.common import (
+    ShardSpec,
+    all_reduce_forward_backward,
+    local_range,
+    local_shard,
+    shard_parameter,
+)
+from tessera.parallel.tensor.modes import MODES
 from tessera.parallel.tensor.tp1d.functional import (
     TENSOR,
     column_parallel_linear,
@@ -102,6 +112,19 @@ def grid_lines(base: nn.Module) -> tuple[tuple[AxisGroup, ...], tuple[AxisGroup,
     return (grid.row,), tuple(grid.batch_groups)
 
 
+def grid_linears_move_less(base: nn.Module, features: int, rank: int) -> bool:
+    """Whether the adapter of grid base ``base`` (``in + out = features``) moves fewer bytes as
+    two grid linears than cut as the hidden blocks (docs/lora.md: whatever the tokens): in 3D
+    when ``in + out < (4 q - 2) r`` (``2 (q-1)/q^3 T (in + out + 2 r)`` against
+    ``8 (q-1)/q^2 T r`` per step of ``T`` tokens, equal gradient terms); in 2.5D with
+    ``keep_blocks`` over more than one grid (equal activation terms, the gradients' sum over the
+    depth on ``1/q^2`` blocks instead of ``1/q``)."""
+    kernel: Any = getattr(base, "kernel", base)  # tessera.hf's GridLinear: its mode layer
+    if isinstance(kernel, Linear3D):
+        return features < (4 * kernel.cube.q - 2) * rank
+    return bool(kernel.keep_blocks) and kernel.grid.depth > 1
+
+
 def _summed(grad: torch.Tensor, groups: tuple[AxisGroup, ...]) -> torch.Tensor:
     """A factor's gradient, partial on each rank of ``groups``, summed over them."""
     grad = grad.clone()
@@ -145,7 +168,9 @@ class LoraLinear(nn.Module):
         self.lora_A = nn.Linear(self.in_features, rank, bias=False)
         self.lora_B = nn.Linear(rank, self.out_features, bias=False)
         self.enabled = True
-        self.split = "none"  # how the adapter is split with its base: "none", "column", "row", "grid"
+        # how the adapter is split with its base: "none", "column", "row", "grid" (hidden blocks) or
+        # "grid-linear" (its factors the grid mode's linears, where they move less)
+        self.split = "none"
         self._group: Any = None  # the tensor group, once split in 1D
         self._hidden: tuple[AxisGroup, ...] = ()  # the groups splitting the activations' hidden dimension (grid)
         with torch.no_grad():
@@ -177,6 +202,9 @@ class LoraLinear(nn.Module):
             raise TypeError(f"LoRA adapters do not follow a base split as {type(base).__name__}")
         self.base_layer, self.split = base, kind
         a_shape, b_shape = (self.rank, self.in_features), (self.out_features, self.rank)
+        if kind == "grid" and grid_linears_move_less(base, self.in_features + self.out_features, self.rank):
+            self.split = "grid-linear"
+            return self._grid_linear_factors(ctx, groups)
         if kind == "grid":  # both cut as the activations' hidden blocks; each sees its batch block
             self._hidden, batch = grid_lines(base)
             axes = tuple(g.name for g in self._hidden)
@@ -198,6 +226,25 @@ class LoraLinear(nn.Module):
             replaced[id(old)] = factor.weight
         for name, over in summed.items():
             getattr(self, name).weight.register_hook(partial(_summed, groups=over))
+        return replaced
+
+    def _grid_linear_factors(self, ctx: Any, groups: int) -> dict[int, torch.Tensor]:
+        """``A`` and ``B`` as the grid mode's linears (``in -> r``, ``r -> out`` with the base's
+        fused parts), holding their blocks of the full factors; their layers sum the gradients."""
+        replaced: dict[int, torch.Tensor] = {}
+        for name, (fan_in, fan_out, parts) in {
+            "lora_A": (self.in_features, self.rank, 1),
+            "lora_B": (self.rank, self.out_features, groups),
+        }.items():
+            old = getattr(self, name).weight
+            layer = MODES[ctx.dims.tensor_mode].linear(fan_in, fan_out, False, out_groups=parts, ctx=ctx)
+            weight: Any = layer.weight
+            spec = placement_of(weight).shard
+            assert spec is not None
+            with torch.no_grad():
+                weight.copy_(local_shard(old.detach(), spec, ctx))
+            setattr(self, name, layer)
+            replaced[id(old)] = weight
         return replaced
 
     # ---- forward ---------------------------------------------------------------------------------

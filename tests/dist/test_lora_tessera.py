@@ -71,23 +71,44 @@ LAYOUTS = {
     "2d-tp4": (4, "dense", dict(tensor=4, mode="2d"), {"tensor": {"size": 4, "mode": "2d"}}),
     "2.5d-tp8": (8, "dense", dict(tensor=8, mode="2.5d", depth=2), {"tensor": {"size": 8, "mode": "2.5d", "depth": 2}}),
     "3d-tp8": (8, "dense", dict(tensor=8, mode="3d"), {"tensor": {"size": 8, "mode": "3d"}}),
+    "2.5d-tp8-keep": (
+        8, "dense", dict(tensor=8, mode="2.5d", depth=2, keep_blocks=True),
+        {"tensor": {"size": 8, "mode": "2.5d", "depth": 2, "keep_blocks": True}},
+    ),
+    # rank 16: the 32 x 32 "out" layers are narrower than (4 q - 2) r, their factors 3D linears
+    "3d-tp8-rank16": (8, "dense", dict(tensor=8, mode="3d"), {"tensor": {"size": 8, "mode": "3d"}}),
     "ep2": (2, "moe", dict(data=2, expert=2), {"data": 2, "expert": 2}),
     "ep2-tp2": (4, "moe", dict(data=2, expert=2, tensor=2), {"data": 2, "expert": 2, "tensor": {"size": 2, "mode": "1d"}}),
 }  # fmt: skip
 
 
-def train(name: str | None, family: str, parts: int = 1):
-    """10 AdamW steps on this rank of layout ``name`` (None: one process accumulating ``parts``
-    micro-batches per step, the data ranks' shares: an MoE routes each micro-batch on its own).
-    The losses, the full state after and what this rank holds for frozen weights."""
+def rank_of(name: str) -> int:
+    return 16 if name.endswith("rank16") else RANK
+
+
+def splits_of(name: str) -> dict[str, str]:
+    """How each adapted linear's adapter follows its base under layout ``name``, by layer."""
+    if name.startswith(("2d", "2.5d", "3d")):
+        linear = {"2.5d-tp8-keep": set(TARGETS["dense"]), "3d-tp8-rank16": {"out"}}.get(name, set())
+        return {layer: "grid-linear" if layer in linear else "grid" for layer in TARGETS["dense"]}
+    column, row = ("column", "row") if "tp2" in name else ("none", "none")
+    return {"qkv": column, "out": row} | ({} if name.startswith("ep") else {"fc": column, "proj": row})
+
+
+def train(name: str | None, family: str, parts: int = 1, rank: int = RANK):
+    """10 AdamW steps of rank-``rank`` adapters on this rank of layout ``name`` (None: one process
+    accumulating ``parts`` micro-batches per step, the data ranks' shares: an MoE routes each
+    micro-batch on its own). The losses, the full state after, what this rank holds for frozen
+    weights and how each layer's adapter is split."""
     if name is None:
         ctx = use_layout(config={"gradient_accumulation": parts})
     else:
         _, _, sizes, parallel = LAYOUTS[name]
         ctx = use_layout(**sizes, config={"parallel": parallel})
-    model = adapted(family)
+    model = adapted(family, rank)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-3)
     engine, *_ = tessera.initialize(model, optimizer, NextTokenLoss())
+    splits = {name.rsplit(".", 1)[-1]: layer.split for name, layer in tessera.lora.adapters(model)}
     data = ctx.size("data")
     mine = slice(ctx.local_rank("data") * BATCH // data, (ctx.local_rank("data") + 1) * BATCH // data)
     losses = [float(engine.train_batch(iter(zip(x[mine].chunk(parts), y[mine].chunk(parts), strict=True)))) for x, y in batches()]
@@ -96,21 +117,22 @@ def train(name: str | None, family: str, parts: int = 1):
     held += [f"gradient of {n}" for n, p in engine.model.named_parameters() if id(p) in frozen and p.grad is not None]
     stepped = [p for g in engine.optimizer.param_groups for p in g["params"]] + getattr(engine.optimizer, "params", [])
     held += [f"{frozen[id(p)]} stepped" for p in stepped if id(p) in frozen]
-    return losses, full_state_dict(engine.model), held
+    return losses, full_state_dict(engine.model), held, splits
 
 
-def initial_state(family: str) -> dict[str, torch.Tensor]:
+def initial_state(family: str, rank: int) -> dict[str, torch.Tensor]:
     use_layout(config={})
-    return {k: v.detach().clone() for k, v in adapted(family).state_dict().items()}
+    return {k: v.detach().clone() for k, v in adapted(family, rank).state_dict().items()}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_lora_on_tesseras_gpt_trains_as_one_process(pools, name):
     ranks, family, sizes, _ = LAYOUTS[name]
-    parts = sizes.get("data", 1)
-    expected_losses, expected, _ = train(None, family, parts)
-    initial = initial_state(family)
-    for losses, state, held in pools.run(ranks, train, name, family, timeout=600):
+    parts, rank = sizes.get("data", 1), rank_of(name)
+    expected_losses, expected, _, _ = train(None, family, parts, rank)
+    initial = initial_state(family, rank)
+    for losses, state, held, splits in pools.run(ranks, train, name, family, 1, rank, timeout=600):
+        assert splits == splits_of(name)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), **TOL)
         assert set(state) == set(expected)
         factors = [k for k in expected if ".lora_" in k]
