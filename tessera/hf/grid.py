@@ -16,8 +16,8 @@ batch rows. What :func:`apply_grid` does to a model laid out as a :class:`~tesse
   the local batch and hand on their hidden block; their parameters' gradients are summed over
   the tensor group;
 - every ``nn.Linear`` / ``Conv1D`` becomes :class:`GridLinear` (the mode's Linear, fused parts
-  kept; a LoRA layer's base too, its adapter split with it as ``tessera.lora`` splits one on a
-  grid linear), every LayerNorm :class:`GridNorm` (the mode's) and every RMSNorm :class:`GridRMSNorm`;
+  kept; a LoRA layer's base too, its adapter split with it: ``tessera.lora``), every LayerNorm
+  :class:`GridNorm` (the mode's) and every RMSNorm :class:`GridRMSNorm`;
 - the head's logits, or a base model's outputs, are gathered whole (batch and classes), so the
   model's loss and the user's see plain tensors.
 
@@ -367,11 +367,6 @@ def _replicated(module: nn.Module, space: Space) -> None:
             param.register_hook(lambda grad: comm.all_reduce(grad.contiguous(), space.tensor))
 
 
-def has_rebase(model: nn.Module, name: str) -> bool:
-    """Whether the module ``name`` of ``model`` splits with its base (a LoRA layer)."""
-    return callable(getattr(model.get_submodule(name), "rebase", None)) if name else False
-
-
 def apply_grid(model: Any, ctx: ParallelContext, layout: Layout) -> dict[int, nn.Parameter]:
     """Rewrite ``model`` (laid out as ``layout``) for ``ctx``'s grid tensor mode; the replaced
     parameters, old id -> new parameter."""
@@ -399,10 +394,10 @@ def apply_grid(model: Any, ctx: ParallelContext, layout: Layout) -> dict[int, nn
             make = partial(GridEmbedding, ctx=ctx, mode=mode, space=space)
         elif isinstance(module, nn.Linear) or is_conv1d(module):
             owner, _, part = name.rpartition(".")
-            if part in ("lora_A", "lora_B") and has_rebase(model, owner):
-                continue  # a LoRA layer's factors: split with its base, below
-            if part == "base_layer" and has_rebase(model, owner):
-                name = owner  # swap rebases the LoRA layer: its base becomes the grid linear, its adapter split with it
+            if part in ("base_layer", "lora_A", "lora_B") and hasattr(model.get_submodule(owner), "rebase"):
+                if part != "base_layer":
+                    continue  # a LoRA layer: swapped whole, its rebase splits the factors with the base
+                name = owner
             make = partial(GridLinear, ctx=ctx, mode=mode, groups=groups.get(name, 1))
         elif isinstance(module, nn.LayerNorm):
             make = partial(GridNorm, ctx=ctx, mode=mode)
