@@ -172,6 +172,37 @@ def test_adapters_on_1d_linears_move_only_their_factors_gradients(pools):
     assert large["all_gather"] == small["all_gather"] and large["reduce_scatter"] == small["reduce_scatter"]
 
 
+def moe_bytes(rank: int) -> dict:
+    """Every collective's payload bytes of one step of the MoE GPT with rank-``rank`` adapters
+    under ep2 x tp2 (this data rank's half of a batch)."""
+    _, _, sizes, parallel = LAYOUTS["ep2-tp2"]
+    use_layout(**sizes, config={"parallel": parallel})
+    model = adapted("moe", rank)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    engine, *_ = tessera.initialize(model, optimizer, NextTokenLoss())
+    x, y = batches()[0]
+    with comm.ledger() as ledger:
+        engine.train_batch(iter([(x[: BATCH // 2], y[: BATCH // 2])]))
+    return {key: counts["payload_bytes"] for key, counts in ledger.summary().items()}
+
+
+def test_expert_adapters_move_only_their_factors_gradients(pools):
+    """Doubling the rank under ep2 x tp2 adds nothing to the experts' all-to-alls (the adapters
+    run inside the experts' computation); on the tensor axis it adds the whole factors' gradients
+    (dense qkv's A and out's B, and each local expert's A of w_in and w_gate and B of w_out:
+    ``r x d_model``); on the data axis the dense factors' local pieces only: the experts' factors
+    are reduced over the ranks holding the same experts (here none other), not over the data ranks."""
+    small, large = (pools.run(4, moe_bytes, rank, timeout=300)[0] for rank in (RANK, 2 * RANK))
+    element, added, local_experts, tensor = 4, RANK, 4 // 2, 2
+    whole = 2 * added * HIDDEN + local_experts * 3 * added * HIDDEN
+    dense_pieces = added * HIDDEN + 3 * HIDDEN // tensor * added + added * HIDDEN // tensor + HIDDEN * added
+    grown = {key: large[key] - small.get(key, 0) for key in large if large[key] != small.get(key, 0)}
+    assert grown == {
+        ("all_reduce", "tensor"): LAYERS * whole * element,
+        ("all_reduce", "data"): LAYERS * dense_pieces * element,
+    }, grown
+
+
 def grid_bytes(name: str, rank: int) -> dict:
     """Every axis's all-reduce bytes and every other collective's of one step of the dense GPT
     with rank-``rank`` adapters under grid layout ``name``."""
