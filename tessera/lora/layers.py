@@ -61,12 +61,14 @@ from tessera.parallel.tensor.tp1d.functional import (
 )
 from tessera.parallel.tensor.tp1d.layers import Linear1D_Col, Linear1D_Row
 from tessera.parallel.tensor.tp2d.layers import Linear2D
+from tessera.parallel.tensor.tp2p5d.layers import Linear2p5D
 from tessera.parallel.tensor.tp3d.layers import Linear3D
 
 INITS = ("default", "gaussian", "zeros")
 
-#: tessera's own tensor-parallel linears an adapter follows (``Linear2p5D`` is a ``Linear2D``)
-TESSERA_LINEARS: tuple[type[nn.Module], ...] = (Linear1D_Col, Linear1D_Row, Linear2D, Linear3D)
+#: tessera's own tensor-parallel linears an adapter follows (these classes exactly: not the
+#: vocabulary-parallel heads built on them)
+TESSERA_LINEARS: tuple[type[nn.Module], ...] = (Linear1D_Col, Linear1D_Row, Linear2D, Linear2p5D, Linear3D)
 
 
 def linear_features(layer: nn.Module) -> tuple[int, int, bool] | None:
@@ -79,7 +81,7 @@ def linear_features(layer: nn.Module) -> tuple[int, int, bool] | None:
         return module.in_features, module.out_features, False
     if type(module).__name__ in ("ColumnParallel", "RowParallel"):  # tessera.hf's stand-ins
         return module.in_features, module.out_features, bool(module.transposed)
-    if isinstance(module, TESSERA_LINEARS) or type(module).__name__ == "QuantizedLinear":
+    if type(module) in TESSERA_LINEARS or type(module).__name__ == "QuantizedLinear":
         return module.in_features, module.out_features, False
     return None
 
@@ -88,13 +90,14 @@ def split_of(base: nn.Module) -> tuple[str, int]:
     """How an adapter follows ``base``'s split: ``("column", fused parts)``, ``("row", 1)``,
     ``("grid", fused parts)`` or ``("none", 1)`` (a layer held whole)."""
     module: Any = base
-    if isinstance(module, Linear1D_Col):
+    kind = type(module)
+    if kind is Linear1D_Col:
         return "column", module.out_groups
-    if type(module).__name__ == "ColumnParallel":
+    if kind.__name__ == "ColumnParallel":
         return "column", module.groups
-    if isinstance(module, Linear1D_Row) or type(module).__name__ == "RowParallel":
+    if kind is Linear1D_Row or kind.__name__ == "RowParallel":
         return "row", 1
-    if isinstance(module, (Linear2D, Linear3D)):
+    if kind in (Linear2D, Linear2p5D, Linear3D):
         return "grid", module.out_groups
     if type(module).__name__ == "GridLinear":  # tessera.hf's grid stand-in
         return "grid", module.groups
@@ -253,7 +256,7 @@ class LoraLinear(nn.Module):
             return self.base_layer(x, *args, **kwargs)
         if self.split == "row":
             return self._row_forward(x)
-        if self.split == "column" and isinstance(self.base_layer, Linear1D_Col):
+        if self.split == "column" and type(self.base_layer) is Linear1D_Col:
             return self._column_forward(x)
         if self.split == "grid":
             return self.base_layer(x, *args, **kwargs) + self._grid_adapter(x)

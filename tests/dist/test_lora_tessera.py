@@ -244,8 +244,9 @@ def test_adapters_on_grid_linears_move_the_formulas_bytes(pools, name):
 # ---- what is refused ------------------------------------------------------------------------------
 
 
-def adapt_the_head() -> str:
-    use_layout(tensor=2, config={"parallel": LAYOUTS["1d-tp2"][3]})
+def adapt_the_head(name: str) -> str:
+    _, _, sizes, parallel = LAYOUTS[name]
+    use_layout(**sizes, config={"parallel": parallel})
     try:
         tessera.lora.apply(build("dense"), targets=("lm_head",))
     except ConfigError as error:
@@ -265,7 +266,8 @@ def quantize_a_split_base() -> str:
 
 
 def test_what_adapters_do_not_follow_is_refused_naming_it(pools):
-    for message in pools.run(2, adapt_the_head, timeout=120):
-        assert "do not follow lm_head (VocabParallelClassifier1D)" in message
+    for ranks, name, head in ((2, "1d-tp2", "VocabParallelClassifier1D"), (4, "2d-tp4", "VocabParallelClassifier2D")):
+        for message in pools.run(ranks, adapt_the_head, name, timeout=120):
+            assert f"do not follow lm_head ({head})" in message
     for message in pools.run(2, quantize_a_split_base, timeout=120):
         assert "quantized frozen base cannot be split by tensor parallelism" in message
