@@ -22,13 +22,14 @@ per backward (``r x d_model`` per expert and projection). Nothing more moves per
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-from tessera import comm
 from tessera.context.placement import ShardSpec, placement_of
+from tessera.lora.layers import INITS, summed_gradient
 from tessera.nn.moe import GroupedExperts
 from tessera.parallel.tensor.common import shard_parameter
 
@@ -54,8 +55,6 @@ class LoraExperts(nn.Module):
         self, base_layer: GroupedExperts, rank: int, alpha: float, dropout: float = 0.0, init: str = "default"
     ) -> None:
         super().__init__()
-        from tessera.lora.layers import INITS
-
         if init not in INITS:
             raise ValueError(f"lora.init={init!r}: expected one of {', '.join(INITS)}")
         self.base_layer = base_layer
@@ -96,7 +95,7 @@ class LoraExperts(nn.Module):
         b_param = shard_parameter(b, ShardSpec(tuple(b.shape), (expert_axes, out_axes, ())), ctx)
         self.lora_A[name], self.lora_B[name] = ExpertFactor(a_param), ExpertFactor(b_param)
         if self._tensor is not None:  # the factor held whole over the tensor axis sees this rank's part
-            (b_param if in_axes else a_param).register_hook(self._summed)
+            (b_param if in_axes else a_param).register_hook(partial(summed_gradient, groups=(self._tensor,)))
 
     def factor_shapes(self) -> dict[str, tuple[int, ...]]:
         """The full (single-process) shape of every factor by its key under this module
@@ -112,10 +111,6 @@ class LoraExperts(nn.Module):
         """What projection ``name``'s full adapter factors ``a [experts, r, in]`` and
         ``b [experts, out, r]`` add to its stacked weight ``[experts, in, out]``."""
         return torch.bmm(b, a).transpose(1, 2) * self.scaling
-
-    def _summed(self, grad: torch.Tensor) -> torch.Tensor:
-        assert self._tensor is not None
-        return comm.all_reduce(grad.clone(), self._tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[local experts, slots, d_model]`` -> the same (the experts' MLP with the adapters)."""

@@ -128,7 +128,7 @@ def grid_linears_move_less(base: nn.Module, features: int, rank: int) -> bool:
     return bool(kernel.keep_blocks) and kernel.grid.depth > 1
 
 
-def _summed(grad: torch.Tensor, groups: tuple[AxisGroup, ...]) -> torch.Tensor:
+def summed_gradient(grad: torch.Tensor, groups: tuple[AxisGroup, ...]) -> torch.Tensor:
     """A factor's gradient, partial on each rank of ``groups``, summed over them."""
     grad = grad.clone()
     for group in groups:
@@ -228,7 +228,7 @@ class LoraLinear(nn.Module):
             factor.weight = shard_parameter(old, spec, ctx)
             replaced[id(old)] = factor.weight
         for name, over in summed.items():
-            getattr(self, name).weight.register_hook(partial(_summed, groups=over))
+            getattr(self, name).weight.register_hook(partial(summed_gradient, groups=over))
         return replaced
 
     def _grid_linear_factors(self, ctx: Any, groups: int) -> dict[int, torch.Tensor]:
@@ -306,4 +306,14 @@ class LoraLinear(nn.Module):
         return f"rank={self.rank}, alpha={self.alpha}, split={self.split}, enabled={self.enabled}"
 
 
-__all__ = ["INITS", "QUANTIZED_SPLIT", "TESSERA_LINEARS", "LoraLinear", "linear_features", "split_of"]
+__all__ = [
+    "INITS",
+    "QUANTIZED_SPLIT",
+    "TESSERA_LINEARS",
+    "LoraLinear",
+    "grid_lines",
+    "grid_linears_move_less",
+    "linear_features",
+    "split_of",
+    "summed_gradient",
+]
