@@ -5,7 +5,9 @@ A PEFT adapter folder holds ``adapter_config.json`` (``peft_type: "LORA"``, ``r`
 ``lora_alpha``, ``target_modules``, ...) and ``adapter_model.safetensors`` whose keys are the
 adapted layers' under ``base_model.model.`` with the adapter's name dropped
 (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``). tessera's adapters keep
-PEFT's layer names (:mod:`tessera.lora`), so the keys map one to one.
+PEFT's layer names (:mod:`tessera.lora`), so the keys map one to one. Adapted MoE experts of
+tessera's models (:mod:`tessera.lora.experts`) are saved, loaded and merged under their stacked
+keys (``...mlp.experts.lora_A.w_in.weight [experts, r, in]``), which only tessera reads.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tessera.context import get_context, has_context
 from tessera.errors import ConfigError
 from tessera.files import write_atomically
 from tessera.lora import LoraOptions, adapters, apply
+from tessera.lora.experts import adapted_experts
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _PREFIX = "base_model.model."
@@ -41,20 +44,20 @@ def save_adapters(source: Any, folder: str | Path, base_model: str | None = None
     """Write ``source``'s adapters (an engine's or a model's, in any layout) as a PEFT folder;
     collective (every rank gathers its adapters' splits), rank 0 writes. Returns the folder."""
     module = _module_of(source)
-    layers = adapters(module)
-    if not layers:
+    layers, experts = adapters(module), adapted_experts(module)
+    if not layers and not experts:
         raise ConfigError("the model has no LoRA adapters to save (tessera.lora.apply puts them on)")
     state = full_state_dict(source, select=_is_adapter_key)
     folder = Path(folder)
     if not has_context() or get_context().rank == 0:  # one process, or rank 0 writes
-        first = layers[0][1]
+        first: Any = layers[0][1] if layers else experts[0][1]
         config = {
             "peft_type": "LORA",
             "task_type": "CAUSAL_LM",
             "r": first.rank,
             "lora_alpha": first.alpha,
             "lora_dropout": float(getattr(first.lora_dropout, "p", 0.0)),
-            "target_modules": sorted(name for name, _ in layers),
+            "target_modules": sorted(name for name, _ in [*layers, *experts]),
             "fan_in_fan_out": any(layer.transposed for _, layer in layers),
             "bias": "none",
             "modules_to_save": None,
@@ -93,14 +96,16 @@ def load_adapters(model: nn.Module, folder: str | Path) -> nn.Module:
     this base (a folder saved from another model)."""
     config, state = read_adapters(folder)
     module = _module_of(model)
-    if not adapters(module):
+    if not adapters(module) and not adapted_experts(module):
         targets = config.get("target_modules") or ()
         targets = (targets,) if isinstance(targets, str) else tuple(targets)
         apply(module, LoraOptions(rank=int(config["r"]), alpha=float(config["lora_alpha"]), targets=targets))
-    expected = {}
+    expected: dict[str, tuple[int, ...]] = {}
     for name, layer in adapters(module):
         expected[f"{name}.lora_A.weight"] = (layer.rank, layer.in_features)
         expected[f"{name}.lora_B.weight"] = (layer.out_features, layer.rank)
+    for name, experts in adapted_experts(module):
+        expected.update({f"{name}.{key}": shape for key, shape in experts.factor_shapes().items()})
     check_fit(folder, module, state, expected)
     load_full_state_dict(module, state, partial=True)
     return module
@@ -125,7 +130,7 @@ def merged_state_dict(source: Any) -> dict[str, torch.Tensor]:
     (``W + B A * alpha / r``) under the plain model's keys: what ``merge_and_unload`` gives.
     Collective."""
     module = _module_of(source)
-    layers = dict(adapters(module))
+    layers, experts = dict(adapters(module)), dict(adapted_experts(module))
     state = full_state_dict(source)
     merged: dict[str, torch.Tensor] = {}
     for key, value in state.items():
@@ -138,6 +143,9 @@ def merged_state_dict(source: Any) -> dict[str, torch.Tensor]:
             a, b = state[f"{owner}.lora_A.weight"].float(), state[f"{owner}.lora_B.weight"].float()
             delta = (b @ a) * layer.scaling  # [out, in]; a Conv1D's weight is [in, out]
             value = (value.float() + (delta.t() if layer.transposed else delta)).to(value.dtype)
+        elif name.endswith(".base_layer") and owner in experts:  # a stacked projection, [experts, in, out]
+            a, b = state[f"{owner}.lora_A.{leaf}.weight"].float(), state[f"{owner}.lora_B.{leaf}.weight"].float()
+            value = (value.float() + experts[owner].delta(leaf, a, b)).to(value.dtype)
         merged[key.replace(".base_layer.", ".")] = value
     return merged
 

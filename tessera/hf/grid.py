@@ -16,7 +16,8 @@ batch rows. What :func:`apply_grid` does to a model laid out as a :class:`~tesse
   the local batch and hand on their hidden block; their parameters' gradients are summed over
   the tensor group;
 - every ``nn.Linear`` / ``Conv1D`` becomes :class:`GridLinear` (the mode's Linear, fused parts
-  kept), every LayerNorm :class:`GridNorm` (the mode's) and every RMSNorm :class:`GridRMSNorm`;
+  kept; a LoRA layer's base too, its adapter split with it: ``tessera.lora``), every LayerNorm
+  :class:`GridNorm` (the mode's) and every RMSNorm :class:`GridRMSNorm`;
 - the head's logits, or a base model's outputs, are gathered whole (batch and classes), so the
   model's loss and the user's see plain tensors.
 
@@ -392,8 +393,12 @@ def apply_grid(model: Any, ctx: ParallelContext, layout: Layout) -> dict[int, nn
         elif name == embedding:
             make = partial(GridEmbedding, ctx=ctx, mode=mode, space=space)
         elif isinstance(module, nn.Linear) or is_conv1d(module):
-            owner = name.removesuffix(".base_layer").removesuffix(".lora_B")  # a LoRA layer's outputs: as its own
-            make = partial(GridLinear, ctx=ctx, mode=mode, groups=groups.get(owner, 1))
+            owner, _, part = name.rpartition(".")
+            if part in ("base_layer", "lora_A", "lora_B") and hasattr(model.get_submodule(owner), "rebase"):
+                if part != "base_layer":
+                    continue  # a LoRA layer: swapped whole, its rebase splits the factors with the base
+                name = owner
+            make = partial(GridLinear, ctx=ctx, mode=mode, groups=groups.get(name, 1))
         elif isinstance(module, nn.LayerNorm):
             make = partial(GridNorm, ctx=ctx, mode=mode)
         elif is_rms_norm(module):

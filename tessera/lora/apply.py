@@ -10,6 +10,7 @@ from typing import Any
 from torch import nn
 
 from tessera.errors import ConfigError
+from tessera.lora.experts import LoraExperts, is_adapter_target
 from tessera.lora.layers import LoraLinear, linear_features
 
 
@@ -35,8 +36,22 @@ def _matches(name: str, targets: tuple[str, ...]) -> bool:
 
 
 def linear_layers(model: nn.Module) -> list[str]:
-    """The names of ``model``'s linear-like layers (what ``targets`` can name)."""
-    return [name for name, m in model.named_modules() if name and linear_features(m) is not None]
+    """The names of ``model``'s linear-like layers (what ``targets`` can name): linear layers
+    (tessera's tensor-parallel ones and transformers' ``Conv1D`` included) and mixtures of
+    experts' stacked experts (``tessera.nn.MoE``'s ``experts``: every projection of each)."""
+    return [
+        name for name, m in model.named_modules() if name and (linear_features(m) is not None or is_adapter_target(m))
+    ]
+
+
+def _unfollowed(model: nn.Module, targets: tuple[str, ...]) -> list[str]:
+    """``name (class)`` of the modules of tessera's tensor-parallel layers that ``targets`` name
+    but adapters do not follow (an output head, an embedding)."""
+    return [
+        f"{name} ({type(m).__name__})"
+        for name, m in model.named_modules()
+        if name and _matches(name, targets) and type(m).__module__.startswith("tessera.parallel.tensor.")
+    ]
 
 
 def _output_heads(model: nn.Module) -> set[str]:
@@ -58,16 +73,8 @@ def apply(model: nn.Module, options: LoraOptions | None = None, **settings: Any)
     options = replace(options or LoraOptions(), **settings)
     if isinstance(options.targets, str):
         options = replace(options, targets=(options.targets,))
-    if any(isinstance(m, LoraLinear) for m in model.modules()):
+    if any(isinstance(m, (LoraLinear, LoraExperts)) for m in model.modules()):
         raise ConfigError("the model already has LoRA adapters")
-    split = sorted(
-        {type(m).__name__ for m in model.modules() if type(m).__module__.startswith("tessera.parallel.tensor.tp")}
-    )
-    if split:
-        raise ConfigError(
-            f"LoRA adapters do not yet follow tessera's own tensor-parallel layers ({', '.join(split)}); "
-            "they do under data parallelism, ZeRO and Gemini, and on Hugging Face models under 1D tensor parallelism"
-        )
     linears = linear_layers(model)
     if options.targets == ("all-linear",):
         heads = _output_heads(model)
@@ -75,6 +82,12 @@ def apply(model: nn.Module, options: LoraOptions | None = None, **settings: Any)
     else:
         chosen = [n for n in linears if _matches(n, options.targets)]
         missing = [t for t in options.targets if not any(_matches(n, (t,)) for n in chosen)]
+        unfollowed = _unfollowed(model, tuple(missing))
+        if unfollowed:
+            raise ConfigError(
+                f"lora.targets {missing}: LoRA adapters do not follow {', '.join(unfollowed)}; they follow linear "
+                "layers (tessera's 1D column- and row-parallel and 2D/2.5D/3D grid linears included) and MoE experts"
+            )
         if missing:
             suffixes = sorted({n.rsplit(".", 1)[-1] for n in linears})
             raise ConfigError(
@@ -86,8 +99,10 @@ def apply(model: nn.Module, options: LoraOptions | None = None, **settings: Any)
     for name in chosen:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
+        layer = getattr(parent, child)
+        kind = LoraExperts if is_adapter_target(layer) else LoraLinear
         try:
-            adapted = LoraLinear(getattr(parent, child), options.rank, options.alpha, options.dropout, options.init)
+            adapted = kind(layer, options.rank, options.alpha, options.dropout, options.init)
         except ValueError as error:
             raise ConfigError(f"{name}: {error}") from None
         setattr(parent, child, adapted)
@@ -102,7 +117,8 @@ def apply(model: nn.Module, options: LoraOptions | None = None, **settings: Any)
 
 
 def adapters(model: nn.Module) -> list[tuple[str, LoraLinear]]:
-    """``(name, layer)`` for every adapted layer of ``model``."""
+    """``(name, layer)`` for every adapted linear layer of ``model`` (adapted experts are
+    :class:`~tessera.lora.experts.LoraExperts`)."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLinear)]
 
 
@@ -110,7 +126,7 @@ def adapters(model: nn.Module) -> list[tuple[str, LoraLinear]]:
 def disabled(model: nn.Module) -> Iterator[nn.Module]:
     """``model`` with its adapters off inside the block: the frozen base alone (a reference model
     that shares the base's memory)."""
-    layers = [m for _, m in adapters(model)]
+    layers: list[Any] = [m for m in model.modules() if isinstance(m, (LoraLinear, LoraExperts))]
     before = [m.enabled for m in layers]
     for m in layers:
         m.enabled = False

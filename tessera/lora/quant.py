@@ -197,11 +197,13 @@ class QuantizedLinear(nn.Module):
 def quantize(model: nn.Module, fmt: str = "nf4", *, block: int = 64, double_quant: bool = False) -> nn.Module:
     """Replace the frozen base of every adapted layer of ``model`` (``tessera.lora.apply`` first)
     by its ``fmt`` quantization, in place."""
-    from tessera.lora.layers import LoraLinear
+    from tessera.lora.layers import QUANTIZED_SPLIT, LoraLinear
 
     layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
     if not layers:
         raise ConfigError("quantize() quantizes the frozen bases of adapted layers: apply LoRA first")
+    if any(layer.split != "none" for layer in layers):  # a tessera model built in a tensor-parallel layout
+        raise ConfigError(QUANTIZED_SPLIT)
     for layer in layers:
         if not isinstance(layer.base_layer, QuantizedLinear):
             layer.base_layer = QuantizedLinear(layer.base_layer, fmt, block, double_quant)

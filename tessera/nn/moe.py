@@ -64,6 +64,8 @@ from tessera.nn.layers import resolve_context
 from tessera.parallel.tensor.common import local_shard, shard_parameter
 
 Activation = Literal["gelu", "swiglu"]
+#: ``adapter(projection name, its input) -> a term added to its output`` (:meth:`GroupedExperts.forward`)
+ExpertAdapter = Callable[[str, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -154,18 +156,26 @@ class GroupedExperts(nn.Module):
                     full = local_shard(full, placement.shard, placement.mesh)
                 weight.copy_(full)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, adapter: ExpertAdapter | None = None) -> torch.Tensor:
+        """``[local experts, slots, d_model]`` -> the same. ``adapter(name, x)``: a further product
+        of projection ``name``'s input (``"w_in"``, ``"w_gate"``, ``"w_out"``), in its output's
+        local shape, added to the projection (before the tensor sum for ``w_out``: a LoRA
+        adapter's, ``tessera.lora.experts``)."""
         if self.tensor is not None:  # every tensor rank has the tokens; each computes its block of the width
             x = comm.copy_forward_all_reduce_backward(x, self.tensor)
-        hidden = torch.bmm(x, self.w_in)
+        hidden = self._project("w_in", x, adapter)
         if self.w_gate is not None:
-            hidden = F.silu(torch.bmm(x, self.w_gate)) * hidden
+            hidden = F.silu(self._project("w_gate", x, adapter)) * hidden
         else:
             hidden = F.gelu(hidden)
-        out = torch.bmm(hidden, self.w_out)
+        out = self._project("w_out", hidden, adapter)
         if self.tensor is not None:
             out = comm.all_reduce_forward_copy_backward(out, self.tensor)
         return out
+
+    def _project(self, name: str, x: torch.Tensor, adapter: ExpertAdapter | None) -> torch.Tensor:
+        y = torch.bmm(x, getattr(self, name))
+        return y if adapter is None else y + adapter(name, x)
 
 
 class _AttachAuxiliary(torch.autograd.Function):
@@ -358,6 +368,7 @@ def take_routing_counts(model: nn.Module | list[tuple[str, MoE]]) -> dict[str, t
 
 
 __all__ = [
+    "ExpertAdapter",
     "GroupedExperts",
     "MoE",
     "RoutingStats",

@@ -96,18 +96,23 @@ def column_parallel_linear(
     group: AxisGroup,
     *,
     sequence_parallel: bool = False,
+    adapter: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``x [..., in]`` (replicated; with ``sequence_parallel`` ``[b, s/P, in]``) times this rank's
     rows ``weight [out/P, in]`` -> ``[..., out/P]`` (``[b, s, out/P]``).
 
     Backward all-reduces the input gradient (sequence parallel: reduce-scatters it along seq).
+    ``adapter``: a further product of the input inside the region (its whole sequence), with
+    this rank's ``out/P`` outputs, added to the output: its input gradient is summed with the
+    base's (a LoRA adapter's, ``tessera.lora``).
     """
     if sequence_parallel:
         _check_sequence_split(x, 1, "Linear1D_Col")
         x = comm.all_gather_forward_reduce_scatter_backward(x, group, dim=SEQ_DIM)
     else:
         x = comm.copy_forward_all_reduce_backward(x, group)
-    return F.linear(x, weight, bias)
+    y = F.linear(x, weight, bias)
+    return y if adapter is None else y + adapter(x)
 
 
 def row_parallel_linear(
