@@ -39,7 +39,6 @@ from tessera.rlhf_pipeline.config import (
     RMStageConfig,
     SFTStageConfig,
     StageConfig,
-    _plain,
     default_run_dir,
     load_stage_config,
 )
@@ -54,6 +53,7 @@ from tessera.rlhf_pipeline.plan import (
     prompt_examples,
     sft_examples,
 )
+from tessera.rlhf_pipeline.sections import _plain
 from tessera.rlhf_pipeline.tokens import stop_ids, tokenizer_of
 
 
