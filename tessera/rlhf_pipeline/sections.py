@@ -14,6 +14,7 @@ from tessera.config.schema import (
     ActivationCheckpointConfig,
     CommConfig,
     LaunchConfig,
+    LoraConfig,
     MixedPrecisionConfig,
     OptimizerConfig,
     ParallelConfig,
@@ -147,6 +148,19 @@ class TrainedConfig(LayoutConfig):
         "file; None: seeded random weights of `model`.",
     )
     optimizer: OptimizerConfig = _section(OptimizerConfig, "Its optimizer (constant learning rate).")
+    lora: LoraConfig = _section(
+        LoraConfig,
+        "LoRA adapters trained on its frozen weights (rank 0: none, the whole model trains; docs/lora.md); a policy's "
+        "or actor's frozen base, adapters off, is then also the reference.",
+    )
+
+    def validate(self, path: str) -> None:
+        super().validate(path)
+        if self.lora.quantize != "none":
+            raise ConfigError(
+                f"{path}lora.quantize={self.lora.quantize!r}: quantized bases are not wired into tessera rlhf yet (a "
+                "stage writes its adapters merged into full weights for the next stage); use lora.quantize='none'"
+            )
 
 
 @dataclass(frozen=True)
