@@ -7,8 +7,9 @@ weights, as a separate frozen engine would run them) or a module's, in eval mode
 gradients, and with the adapters off (:func:`tessera.lora.disabled`); the policy is left as it
 was (its mode, its adapters). A forward through the engine tells its strategy that no gradient
 follows (``final``): DPO therefore takes the reference's log-probs before the policy's forward of
-the same micro-batch (:class:`~tessera.rlhf.dpo.DPOTrainer`), and PPO and GRPO take them with
-the rollout's other log-probs, between training steps.
+the same micro-batch (:class:`~tessera.rlhf.dpo.DPOTrainer`; after it, a micro-step inside an
+accumulation would reduce its gradients for nothing), and PPO and GRPO take them with the
+rollout's other log-probs, between training steps.
 """
 
 from __future__ import annotations

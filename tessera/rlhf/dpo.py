@@ -12,8 +12,10 @@ The reference is any callable from ``input_ids`` to logits (or to an output with
 copy of the policy's starting weights built under the same layout and frozen, a model under
 a layout of its own, or the policy's own base with its LoRA adapters off
 (:func:`~tessera.rlhf.adapters.adapters_off`). It runs under ``torch.no_grad`` and in eval mode,
-before the policy's forward of the same micro-batch (a forward through the policy's engine
-without gradients would otherwise tell its strategy that the micro-step ends the step).
+before the policy's forward of the same micro-batch: a forward through the policy's engine
+without gradients tells its strategy that no accumulation follows, which after the policy's
+forward would reduce the gradients of a micro-step that does not end the step (traffic for
+nothing: the reduction is linear, the step the same).
 """
 
 from __future__ import annotations

@@ -162,10 +162,16 @@ def _adapters_card(plans: Mapping[str, RolePlan]) -> dict[str, Any]:
 def finish_stage(stage: str, cfg: StageConfig, plans: Mapping[str, RolePlan], run_dir: Path, log: RunLog,
                  steps: int) -> None:  # fmt: skip
     """model.json, the plots and summary.json (job rank 0), once the weights are written; the
-    card's model is the stage's first (the trained one)."""
-    comm.barrier(get_context().group("world"))  # the weights are on disk before the stage reports done
-    if get_context().rank != 0:
-        return
+    card's model is the stage's first (the trained one). Collective: every rank returns once the
+    folder is whole (a next stage of the same job reads its model.json)."""
+    world = get_context().group("world")
+    comm.barrier(world)  # the weights are on disk before the stage reports done
+    if get_context().rank == 0:
+        _write_card_and_figures(stage, plans, run_dir, log, steps)
+    comm.barrier(world)
+
+
+def _write_card_and_figures(stage: str, plans: Mapping[str, RolePlan], run_dir: Path, log: RunLog, steps: int) -> None:
     plan = next(iter(plans.values()))
     card: dict[str, Any] = {
         "stage": stage,
