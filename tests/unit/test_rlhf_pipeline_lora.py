@@ -1,0 +1,119 @@
+"""LoRA adapters in the `tessera rlhf` configs: a `lora` section on every trained model; a policy
+or actor with adapters takes its own base, adapters off, as its reference (no model of its own),
+and a reference configured otherwise is refused; the layouts and targets adapters cannot take
+are refused before any process starts; a value model's head trains whole beside them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessera import lora
+from tessera.config.schema import LoraConfig
+from tessera.errors import ConfigError
+from tessera.models import gpt
+from tessera.rlhf import AdaptersOff, value_model
+from tessera.rlhf_pipeline import load_stage_config, plan_stage
+from tessera.rlhf_pipeline.build import put_adapters
+from tests.unit.test_rlhf_pipeline import TINY, ppo, refused, stage_folder
+
+
+def test_every_trained_model_has_a_lora_section_and_frozen_models_none():
+    cfg = load_stage_config("dpo", {}, ["policy.lora.rank=8", 'policy.lora.targets=["qkv"]'])
+    assert cfg.policy.lora == LoraConfig(rank=8, targets=["qkv"])  # type: ignore[attr-defined]
+    for stage, key in (("sft", "policy"), ("rm", "reward_model"), ("ppo", "actor"), ("ppo", "critic")):
+        cfg = load_stage_config(
+            stage, {"reward": {"rule": "sorting"}} if stage == "ppo" else {}, [f"{key}.lora.rank=4"]
+        )
+        assert getattr(cfg, key).lora.rank == 4
+    with pytest.raises(ConfigError, match=r"unknown config key 'reference.lora'"):
+        load_stage_config("ppo", {"reward": {"rule": "sorting"}, "reference": {"lora": {"rank": 4}}})
+    with pytest.raises(ConfigError, match=r"^policy.lora.rank=-1 must be >= 0"):
+        load_stage_config("sft", {}, ["policy.lora.rank=-1"])
+    with pytest.raises(
+        ConfigError, match=r"^actor.lora.quantize='nf4': quantized bases are not wired into tessera rlhf"
+    ):
+        load_stage_config("grpo", {"reward": {"rule": "sorting"}}, ["actor.lora.rank=4", "actor.lora.quantize=nf4"])
+
+
+def test_a_dpo_policy_with_adapters_is_its_own_reference(tmp_path):
+    sft = str(stage_folder(tmp_path / "sft"))
+    config = {"policy": {"init": sft, "lora": {"rank": 4}}, "train": {"batch_size": 8}}
+    plans = plan_stage("dpo", load_stage_config("dpo", config), 2)
+    assert list(plans) == ["policy", "reference"]
+    policy, reference = plans["policy"], plans["reference"]
+    assert reference.base_of == "policy" and reference.lora is None and reference.optimizer is None
+    assert reference.ranks == policy.ranks and reference.weights == policy.weights
+    assert "LoRA rank 4 on all-linear" in policy.describe()
+    assert (
+        reference.describe()
+        == "reference: the policy's frozen base with its LoRA adapters off (ranks [0, 1]; no copy of its own)"
+    )
+    # the policy's own starting weights, named again, are that base; other weights are refused
+    plans = plan_stage("dpo", load_stage_config("dpo", {**config, "reference": {"init": sft}}), 2)
+    assert plans["reference"].base_of == "policy"
+    other = str(stage_folder(tmp_path / "other"))
+    message = refused("dpo", {**config, "reference": {"init": other}})
+    assert message.startswith(f"reference.init={other!r}: with policy.lora the reference is the policy's frozen base")
+    assert "policy.lora.rank=0" in message
+    assert "reference" not in plan_stage(
+        "dpo", load_stage_config("dpo", {**config, "dpo": {"reference_free": True}}), 2
+    )
+    # without adapters the reference is a model of its own
+    assert plan_stage("dpo", load_stage_config("dpo", {"policy": {"init": sft}}), 1)["reference"].base_of is None
+
+
+def test_an_actor_with_adapters_is_its_own_reference_on_its_ranks(tmp_path):
+    adapters = {"lora": {"rank": 4}}
+    plans = plan_stage("ppo", load_stage_config("ppo", ppo(tmp_path, actor=adapters, reference={"ranks": None})), 2)
+    assert plans["reference"].base_of == "actor" and plans["reference"].ranks == (0,)
+    for reference in ({"ranks": [1]}, {"zero": {"stage": 3}}):
+        message = refused("ppo", ppo(tmp_path, actor=adapters, reference=reference))
+        assert message.startswith(
+            "reference: with actor.lora the reference runs on the actor's ranks, under its layout"
+        )
+    grpo = {"actor": {"lora": {"rank": 4}}, "reward": {"rule": "sorting"}, "train": {"batch_size": 4}}
+    assert plan_stage("grpo", load_stage_config("grpo", grpo), 1)["reference"].base_of == "actor"
+    assert "reference" not in plan_stage("grpo", load_stage_config("grpo", grpo, ["grpo.beta=0"]), 1)
+    # a critic with adapters leaves the reference as it was
+    plans = plan_stage("ppo", load_stage_config("ppo", ppo(tmp_path, critic=adapters)), 2)
+    assert plans["critic"].lora is not None and plans["reference"].base_of is None
+
+
+def test_layouts_and_targets_adapters_cannot_take_are_refused(tmp_path):
+    message = refused("sft", {"policy": {"parallel": {"tensor": 2}, "lora": {"rank": 4}}})
+    assert message.startswith("policy.lora: adapters on tessera's GPT do not yet follow tensor parallelism")
+    assert "or an hf: model" in message
+    message = refused("ppo", ppo(tmp_path, critic={"ranks": [0, 1], "parallel": {"tensor": 2}, "lora": {"rank": 4}}))
+    assert message.startswith("critic.lora: adapters on a value model do not yet follow tensor parallelism")
+    message = refused("rm", {"reward_model": {"lora": {"rank": 4, "targets": ["qkv", "score"]}}}, world=1)
+    assert message.startswith("reward_model.lora.targets names 'score': a value model's head trains whole")
+
+
+def test_a_value_models_head_trains_whole_beside_its_adapters():
+    torch.manual_seed(0)
+    model = value_model(gpt("tiny", **TINY))
+    put_adapters(model, LoraConfig(rank=2), value=True)
+    adapted = {name for name, _ in lora.adapters(model)}
+    assert adapted == {n.removesuffix(".base_layer") for n in lora.linear_layers(model) if n.endswith(".base_layer")}
+    assert "score" not in adapted and isinstance(model.score, torch.nn.Linear)
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trained == {"score.weight", "score.bias"} | {f"{n}.lora_{f}.weight" for n in adapted for f in "AB"}
+
+
+def test_the_adapters_off_reference_is_the_base_and_leaves_the_policy_as_it_was():
+    torch.manual_seed(0)
+    base = gpt("tiny", **TINY)
+    policy = gpt("tiny", **TINY)
+    policy.load_state_dict(base.state_dict())
+    lora.apply(policy, rank=2, init="gaussian")
+    for _, layer in lora.adapters(policy):
+        torch.nn.init.normal_(layer.lora_B.weight)
+    ids = torch.randint(0, 256, (2, 8))
+    reference = AdaptersOff(policy)
+    base.eval()
+    torch.testing.assert_close(reference(ids), base(ids), rtol=0, atol=0)
+    assert policy.training and all(layer.enabled for _, layer in lora.adapters(policy))
+    assert not torch.allclose(policy(ids), base(ids))
+    with pytest.raises(ConfigError, match=r"the policy has no LoRA adapters"):
+        AdaptersOff(base)
