@@ -141,7 +141,10 @@ class Built:
             if plan.weights is not None:
                 load_into(model, plan.weights, role)
             if plan.lora is not None:
-                put_adapters(model, plan.lora, plan.value)
+                try:
+                    put_adapters(model, plan.lora, plan.value)
+                except ConfigError as exc:  # a target or rank this model does not have: name the model
+                    raise ConfigError(f"{role}: {exc}") from None
         finally:
             set_session(self.job, self.job_config)
         return model.to(ctx.device)

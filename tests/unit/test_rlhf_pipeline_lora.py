@@ -117,3 +117,16 @@ def test_the_adapters_off_reference_is_the_base_and_leaves_the_policy_as_it_was(
     assert not torch.allclose(policy(ids), base(ids))
     with pytest.raises(ConfigError, match=r"the policy has no LoRA adapters"):
         AdaptersOff(base)
+
+
+def test_a_target_or_rank_the_model_lacks_is_refused_naming_the_model():
+    from tessera.rlhf_pipeline.build import Built
+    from tessera.testing import use_layout
+
+    use_layout(config={})
+    for lora_section, message in (({"targets": ["q_proj"]}, r"^policy: lora.targets \['q_proj'\] match no linear layer"),
+                                  ({"rank": 64}, r"^policy: blocks.0.attn.qkv: lora.rank=64 must be between 1 and")):  # fmt: skip
+        config = {"model": {"options": TINY}, "policy": {"lora": {"rank": 4, **lora_section}}}
+        plans = plan_stage("sft", load_stage_config("sft", config), 1)
+        with pytest.raises(ConfigError, match=message):
+            Built(plans).module("policy")
