@@ -22,6 +22,7 @@ from tessera.context import get_context, has_context
 from tessera.errors import ConfigError
 from tessera.files import write_atomically
 from tessera.lora import LoraOptions, adapters, apply
+from tessera.lora.quant import QuantizedLinear
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _PREFIX = "base_model.model."
@@ -113,7 +114,8 @@ def load_adapters(model: nn.Module, folder: str | Path) -> nn.Module:
 def merged_state_dict(source: Any) -> dict[str, torch.Tensor]:
     """The full state dict of ``source``'s model with every adapter folded into its base
     (``W + B A * alpha / r``) under the plain model's keys: what ``merge_and_unload`` gives.
-    Collective."""
+    A quantized base (:mod:`tessera.lora.quant`) is dequantized first: its weight is then
+    float32, in its layer's own shape. Collective."""
     module = _module_of(source)
     layers = dict(adapters(module))
     state = full_state_dict(source)
@@ -123,13 +125,30 @@ def merged_state_dict(source: Any) -> dict[str, torch.Tensor]:
             continue
         name, _, leaf = key.rpartition(".")
         owner = name.removesuffix(".base_layer")
-        layer = layers.get(owner) if name.endswith(".base_layer") and leaf == "weight" else None
-        if layer is not None:
-            a, b = state[f"{owner}.lora_A.weight"].float(), state[f"{owner}.lora_B.weight"].float()
-            delta = (b @ a) * layer.scaling  # [out, in]; a Conv1D's weight is [in, out]
+        layer = layers.get(owner) if name.endswith(".base_layer") else None
+        quantized = layer is not None and isinstance(layer.base_layer, QuantizedLinear)
+        if quantized and leaf != "bias":  # its codes and scales: the dequantized weight, once
+            if leaf == "codes":
+                merged[f"{owner}.weight"] = _merged_quantized(layer, state, owner)
+            continue
+        if layer is not None and leaf == "weight":
+            delta = _delta(layer, state, owner)  # [out, in]; a Conv1D's weight is [in, out]
             value = (value.float() + (delta.t() if layer.transposed else delta)).to(value.dtype)
         merged[key.replace(".base_layer.", ".")] = value
     return merged
+
+
+def _delta(layer: Any, state: dict[str, torch.Tensor], owner: str) -> torch.Tensor:
+    a, b = state[f"{owner}.lora_A.weight"].float(), state[f"{owner}.lora_B.weight"].float()
+    return (b @ a) * layer.scaling
+
+
+def _merged_quantized(layer: Any, state: dict[str, torch.Tensor], owner: str) -> torch.Tensor:
+    """A quantized base's dequantized ``[out, in]`` weight plus its adapter, in its layer's shape
+    (a Conv1D's ``[in, out]``). The codes are whole on every rank (no layout splits them)."""
+    base: QuantizedLinear = layer.base_layer
+    weight = base.weight_value(torch.float32).cpu() + _delta(layer, state, owner)
+    return weight.t().contiguous() if base.from_conv1d else weight
 
 
 __all__ = ["load_adapters", "merged_state_dict", "read_adapters", "save_adapters"]

@@ -130,7 +130,8 @@ class _DequantizedMatmul(torch.autograd.Function):
 class QuantizedLinear(nn.Module):
     """A frozen linear layer kept as ``fmt`` codes (``"int8"`` or ``"nf4"``), dequantized to the
     input's dtype at each forward. Built from an ``nn.Linear`` or a transformers ``Conv1D``
-    (whose ``[in, out]`` weight is stored as ``[out, in]``); its bias stays as it was, frozen."""
+    (whose ``[in, out]`` weight is stored as ``[out, in]``; ``from_conv1d`` says so, for whoever
+    writes the weight back in its layer's shape); its bias stays as it was, frozen."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -153,6 +154,7 @@ class QuantizedLinear(nn.Module):
                 "build the model whole first (model.deferred=false)"
             )
         weight = layer.weight.detach().t() if conv1d else layer.weight.detach()  # [out, in]
+        self.from_conv1d: bool = conv1d
         self.out_features: int = weight.shape[0]
         self.in_features: int = weight.shape[1]
         self.fmt, self.block, self.double_quant = fmt, block, double_quant
