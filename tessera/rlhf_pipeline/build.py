@@ -17,6 +17,7 @@ from tessera.checkpoint import load_full_state_dict, load_weights
 from tessera.config.schema import LoraConfig
 from tessera.context import ParallelContext, get_context
 from tessera.errors import ConfigError
+from tessera.lora.quant import quantize
 from tessera.rlhf.adapters import AdaptersOff
 from tessera.rlhf.experience import Frozen, text_reward
 from tessera.rlhf.models import ValueModel, value_model
@@ -66,14 +67,17 @@ def load_into(model: nn.Module, weights: Path, role: str) -> None:
 
 
 def put_adapters(model: nn.Module, cfg: LoraConfig, value: bool) -> None:
-    """``cfg``'s adapters on ``model`` (its weights loaded), the rest frozen. A value model's head
-    ``score`` is no target of ``"all-linear"`` and trains whole (``modules_to_save``)."""
+    """``cfg``'s adapters on ``model`` (its weights loaded), the rest frozen, the adapted layers'
+    bases quantized as ``cfg.quantize`` says. A value model's head ``score`` is no target of
+    ``"all-linear"`` and trains whole (``modules_to_save``)."""
     targets, saved = tuple(cfg.targets), tuple(cfg.modules_to_save)
     if value:
         if targets == ("all-linear",):
             targets = tuple(name for name in lora.linear_layers(model) if name != "score")
         saved = tuple(dict.fromkeys((*saved, "score")))
     lora.apply(model, lora.LoraOptions(cfg.rank, cfg.alpha, cfg.dropout, targets, saved, cfg.init))
+    if cfg.quantize != "none":
+        quantize(model, cfg.quantize, double_quant=cfg.double_quant)
 
 
 class StopPenalty(nn.Module):

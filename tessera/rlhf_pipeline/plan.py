@@ -87,7 +87,8 @@ class RolePlan:
         frozen = ", frozen" if self.optimizer is None else ""
         adapters = ""
         if self.lora is not None:
-            adapters = f", LoRA rank {self.lora.rank} on {', '.join(self.lora.targets)} (the rest frozen)"
+            quantized = f", {self.lora.quantize}" if self.lora.quantize != "none" else ""
+            adapters = f", LoRA rank {self.lora.rank} on {', '.join(self.lora.targets)} (the rest frozen{quantized})"
         return f"{self.role}: {where}{' (' + ', '.join(axes) + ')' if axes else ''}, {start}{frozen}{adapters}"
 
 

@@ -156,10 +156,10 @@ class TrainedConfig(LayoutConfig):
 
     def validate(self, path: str) -> None:
         super().validate(path)
-        if self.lora.quantize != "none":
+        if self.lora.quantize != "none" and self.parallel.tensor.size > 1:
             raise ConfigError(
-                f"{path}lora.quantize={self.lora.quantize!r}: quantized bases are not wired into tessera rlhf yet (a "
-                "stage writes its adapters merged into full weights for the next stage); use lora.quantize='none'"
+                f"{path}lora.quantize={self.lora.quantize!r}: a quantized base cannot be split by tensor parallelism "
+                "(its codes are blocks of the whole weight); give it data parallelism or ZeRO (parallel.tensor.size=1)"
             )
 
 

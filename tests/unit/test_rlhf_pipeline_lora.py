@@ -11,6 +11,8 @@ import torch
 from tessera import lora
 from tessera.config.schema import LoraConfig
 from tessera.errors import ConfigError
+from tessera.hf.adapters import read_adapters
+from tessera.lora.quant import QuantizedLinear
 from tessera.models import gpt
 from tessera.rlhf import AdaptersOff, value_model
 from tessera.rlhf_pipeline import load_stage_config, plan_stage
@@ -30,10 +32,10 @@ def test_every_trained_model_has_a_lora_section_and_frozen_models_none():
         load_stage_config("ppo", {"reward": {"rule": "sorting"}, "reference": {"lora": {"rank": 4}}})
     with pytest.raises(ConfigError, match=r"^policy.lora.rank=-1 must be >= 0"):
         load_stage_config("sft", {}, ["policy.lora.rank=-1"])
-    with pytest.raises(
-        ConfigError, match=r"^actor.lora.quantize='nf4': quantized bases are not wired into tessera rlhf"
-    ):
-        load_stage_config("grpo", {"reward": {"rule": "sorting"}}, ["actor.lora.rank=4", "actor.lora.quantize=nf4"])
+    quantized = ["actor.lora.rank=4", "actor.lora.quantize=nf4"]
+    assert load_stage_config("grpo", {"reward": {"rule": "sorting"}}, quantized).actor.lora.quantize == "nf4"  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match=r"^actor.lora.quantize='nf4': a quantized base cannot be split by tensor"):
+        load_stage_config("grpo", {"reward": {"rule": "sorting"}, "actor": {"parallel": {"tensor": 2}}}, quantized)
 
 
 def test_a_dpo_policy_with_adapters_is_its_own_reference(tmp_path):
@@ -99,6 +101,9 @@ def test_a_value_models_head_trains_whole_beside_its_adapters():
     assert "score" not in adapted and isinstance(model.score, torch.nn.Linear)
     trained = {name for name, p in model.named_parameters() if p.requires_grad}
     assert trained == {"score.weight", "score.bias"} | {f"{n}.lora_{f}.weight" for n in adapted for f in "AB"}
+    causal = gpt("tiny", **TINY)
+    put_adapters(causal, LoraConfig(rank=2, targets=["qkv"], quantize="nf4"), value=False)
+    assert all(isinstance(layer.base_layer, QuantizedLinear) for _, layer in lora.adapters(causal))
 
 
 def test_the_adapters_off_reference_is_the_base_and_leaves_the_policy_as_it_was():
@@ -130,3 +135,25 @@ def test_a_target_or_rank_the_model_lacks_is_refused_naming_the_model():
         plans = plan_stage("sft", load_stage_config("sft", config), 1)
         with pytest.raises(ConfigError, match=message):
             Built(plans).module("policy")
+
+
+def test_a_stage_on_a_quantized_base_writes_its_adapters_merged_into_full_weights(tmp_path):
+    from tessera.checkpoint import load_full_state_dict, load_weights
+    from tessera.rlhf_pipeline import run_stage
+    from tessera.testing import use_layout
+
+    use_layout(config={})
+    sft = stage_folder(tmp_path / "sft")
+    policy = {"init": str(sft), "lora": {"rank": 2, "quantize": "nf4"}, "optimizer": {"lr": 1e-2}}
+    config = {"policy": policy, "train": {"steps": 2, "batch_size": 2}, "data": {"eval": None}}
+    run_stage("dpo", load_stage_config("dpo", config), tmp_path / "dpo")
+    merged, start = load_weights(tmp_path / "dpo" / "model.safetensors"), load_weights(sft / "model.safetensors")
+    load_full_state_dict(gpt("tiny", **TINY), merged)  # a plain GPT's keys and shapes: the next stage's init
+    _, adapters = read_adapters(tmp_path / "dpo" / "adapter")
+    for name in ("blocks.0.attn.qkv", "blocks.0.mlp.fc"):  # the start's NF4 dequantization plus B A alpha / r
+        base = torch.nn.Linear(*reversed(start[f"{name}.weight"].shape))
+        base.weight.data.copy_(start[f"{name}.weight"])
+        delta = adapters[f"{name}.lora_B.weight"] @ adapters[f"{name}.lora_A.weight"] * (16.0 / 2)
+        assert float(delta.abs().max()) > 0  # the adapters trained
+        expected = QuantizedLinear(base, "nf4").weight_value() + delta
+        torch.testing.assert_close(merged[f"{name}.weight"], expected, rtol=1e-6, atol=1e-6)
