@@ -26,6 +26,7 @@ from tessera.errors import ConfigError
 from tessera.files import write_atomically
 from tessera.lora import LoraOptions, adapters, apply
 from tessera.lora.experts import adapted_experts
+from tessera.lora.quant import QuantizedLinear
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _PREFIX = "base_model.model."
@@ -128,7 +129,8 @@ def check_fit(
 def merged_state_dict(source: Any) -> dict[str, torch.Tensor]:
     """The full state dict of ``source``'s model with every adapter folded into its base
     (``W + B A * alpha / r``) under the plain model's keys: what ``merge_and_unload`` gives.
-    Collective."""
+    A quantized base (:mod:`tessera.lora.quant`) is dequantized first: its weight is then
+    float32, in its layer's own shape. Collective."""
     module = _module_of(source)
     layers, experts = dict(adapters(module)), dict(adapted_experts(module))
     state = full_state_dict(source)
@@ -138,16 +140,34 @@ def merged_state_dict(source: Any) -> dict[str, torch.Tensor]:
             continue
         name, _, leaf = key.rpartition(".")
         owner = name.removesuffix(".base_layer")
-        layer = layers.get(owner) if name.endswith(".base_layer") and leaf == "weight" else None
-        if layer is not None:
-            a, b = state[f"{owner}.lora_A.weight"].float(), state[f"{owner}.lora_B.weight"].float()
-            delta = (b @ a) * layer.scaling  # [out, in]; a Conv1D's weight is [in, out]
+        layer = layers.get(owner) if name.endswith(".base_layer") else None
+        quantized = layer is not None and isinstance(layer.base_layer, QuantizedLinear)
+        if quantized and leaf != "bias":  # its codes and scales: the dequantized weight, once
+            if leaf == "codes":
+                merged[f"{owner}.weight"] = _merged_quantized(layer, state, owner)
+            continue
+        if layer is not None and leaf == "weight":
+            delta = _delta(layer, state, owner)  # [out, in]; a Conv1D's weight is [in, out]
             value = (value.float() + (delta.t() if layer.transposed else delta)).to(value.dtype)
         elif name.endswith(".base_layer") and owner in experts:  # a stacked projection, [experts, in, out]
             a, b = state[f"{owner}.lora_A.{leaf}.weight"].float(), state[f"{owner}.lora_B.{leaf}.weight"].float()
             value = (value.float() + experts[owner].delta(leaf, a, b)).to(value.dtype)
         merged[key.replace(".base_layer.", ".")] = value
     return merged
+
+
+def _delta(layer: Any, state: dict[str, torch.Tensor], owner: str) -> torch.Tensor:
+    a, b = state[f"{owner}.lora_A.weight"].float(), state[f"{owner}.lora_B.weight"].float()
+    return (b @ a) * layer.scaling
+
+
+def _merged_quantized(layer: Any, state: dict[str, torch.Tensor], owner: str) -> torch.Tensor:
+    """A quantized base's dequantized ``[out, in]`` weight plus its adapter, in its layer's shape
+    (a Conv1D's ``[in, out]``), from the full state's codes (whole there whatever the layout)."""
+    base: QuantizedLinear = layer.base_layer
+    codes = {name: state[f"{owner}.base_layer.{name}"] for name, _ in base.named_buffers()}
+    weight = base.weight_value(torch.float32, codes).cpu() + _delta(layer, state, owner)
+    return weight.t().contiguous() if base.from_conv1d else weight
 
 
 __all__ = ["check_fit", "load_adapters", "merged_state_dict", "read_adapters", "save_adapters"]

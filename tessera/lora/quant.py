@@ -130,7 +130,8 @@ class _DequantizedMatmul(torch.autograd.Function):
 class QuantizedLinear(nn.Module):
     """A frozen linear layer kept as ``fmt`` codes (``"int8"`` or ``"nf4"``), dequantized to the
     input's dtype at each forward. Built from an ``nn.Linear`` or a transformers ``Conv1D``
-    (whose ``[in, out]`` weight is stored as ``[out, in]``); its bias stays as it was, frozen."""
+    (whose ``[in, out]`` weight is stored as ``[out, in]``; ``from_conv1d`` says so, for whoever
+    writes the weight back in its layer's shape); its bias stays as it was, frozen."""
 
     #: the buffers that are the frozen weight: sharded and released between uses under ZeRO-3 and Gemini
     frozen_buffers = ("codes", "scales", "absmax", "absmax_codes", "absmax_scales", "absmax_mean")
@@ -150,9 +151,10 @@ class QuantizedLinear(nn.Module):
         if not conv1d and not isinstance(layer, nn.Linear):
             raise TypeError(f"{type(layer).__name__} is not a linear layer to quantize")
         weight = layer.weight.detach().t() if conv1d else layer.weight.detach()  # [out, in]
+        self.from_conv1d: bool = conv1d
         self.out_features: int = weight.shape[0]
         self.in_features: int = weight.shape[1]
-        self.fmt, self.block, self.double_quant, self.conv1d = fmt, block, double_quant, conv1d
+        self.fmt, self.block, self.double_quant = fmt, block, double_quant
         self.bias = layer.bias
         if self.bias is not None:
             self.bias.requires_grad_(False)
@@ -164,7 +166,7 @@ class QuantizedLinear(nn.Module):
     def values_from(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         """This layer's buffers quantized from ``weight`` as its base stores it (``[in, out]``
         for a ``Conv1D``): what a loader writes to quantize while loading, one layer at a time."""
-        w = weight.t() if self.conv1d else weight
+        w = weight.t() if self.from_conv1d else weight
         if self.fmt == "int8":
             codes, scales = quantize_int8(w)
             return {"codes": codes, "scales": scales}
@@ -174,16 +176,20 @@ class QuantizedLinear(nn.Module):
         a_codes, a_scales, mean = quantize_absmax(absmax)
         return {"codes": packed, "absmax_codes": a_codes, "absmax_scales": a_scales, "absmax_mean": mean}
 
-    def weight_value(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The dequantized ``[out, in]`` weight."""
+    def weight_value(
+        self, dtype: torch.dtype = torch.float32, buffers: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """The dequantized ``[out, in]`` weight (of ``buffers``, this layer's buffers by name as a
+        full state holds them, instead of its own)."""
+        b = dict(self.named_buffers()) if buffers is None else buffers
         shape = (self.out_features, self.in_features)
         if self.fmt == "int8":
-            return dequantize_weight(self.codes, self.scales, 0).to(dtype)
+            return dequantize_weight(b["codes"], b["scales"], 0).to(dtype)
         if self.double_quant:
-            absmax = dequantize_absmax(self.absmax_codes, self.absmax_scales, self.absmax_mean)
+            absmax = dequantize_absmax(b["absmax_codes"], b["absmax_scales"], b["absmax_mean"])
         else:
-            absmax = self.absmax
-        return dequantize_nf4(self.codes, absmax, shape, self.block, dtype)
+            absmax = b["absmax"]
+        return dequantize_nf4(b["codes"], absmax, shape, self.block, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _DequantizedMatmul.apply(x, self)

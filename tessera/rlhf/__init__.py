@@ -15,6 +15,7 @@ trainers over tessera's engine: :mod:`~tessera.rlhf.sft`, :mod:`~tessera.rlhf.re
 (:mod:`~tessera.rlhf.experience`).
 """
 
+from tessera.rlhf.adapters import AdaptersOff, adapters_off
 from tessera.rlhf.advantages import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -85,7 +86,6 @@ from tessera.rlhf.models import (
     GPTValueModel,
     HFValueModel,
     ValueModel,
-    adapters_off,
     sequence_values,
     token_logprobs_fn,
     value_head,
@@ -120,6 +120,7 @@ from tessera.rlhf.tokens import (
 )
 
 __all__ = [
+    "AdaptersOff",
     "adapters_off",
     "RewardOptions",
     "RewardTrainer",

@@ -9,8 +9,13 @@ response tokens' log-probs; :func:`~tessera.rlhf.losses.dpo_loss` gives the loss
 ``reference_free`` there is no reference model.
 
 The reference is any callable from ``input_ids`` to logits (or to an output with ``.logits``): a
-copy of the policy's starting weights built under the same layout and frozen, or a model under
-a layout of its own. It runs under ``torch.no_grad`` and in eval mode.
+copy of the policy's starting weights built under the same layout and frozen, a model under
+a layout of its own, or the policy's own base with its LoRA adapters off
+(:func:`~tessera.rlhf.adapters.adapters_off`). It runs under ``torch.no_grad`` and in eval mode,
+before the policy's forward of the same micro-batch: a forward through the policy's engine
+without gradients tells its strategy that no accumulation follows, which after the policy's
+forward would reduce the gradients of a micro-step that does not end the step (traffic for
+nothing: the reduction is linear, the step the same).
 """
 
 from __future__ import annotations
@@ -108,11 +113,18 @@ class DPOTrainer:
         with torch.no_grad():
             return self._pair_logprobs(logits_of(self.reference(batch["input_ids"])), batch, self.reference_logprobs)
 
-    def losses(self, logits: torch.Tensor, batch: SequenceBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def losses(
+        self,
+        logits: torch.Tensor,
+        batch: SequenceBatch,
+        reference: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The mean DPO loss of the policy's ``logits`` on ``batch`` and its statistics (detached):
-        implicit rewards of chosen and rejected, their margin, and the pairs ranked right."""
+        implicit rewards of chosen and rejected, their margin, and the pairs ranked right.
+        ``reference``: the reference's ``(chosen, rejected)`` log-probs ``[B]`` taken already
+        (None: taken here)."""
         chosen, rejected = self._pair_logprobs(logits, batch, self.logprobs)
-        ref_chosen, ref_rejected = self._reference_logprobs(batch)
+        ref_chosen, ref_rejected = self._reference_logprobs(batch) if reference is None else reference
         o = self.options
         losses, chosen_rewards, rejected_rewards = dpo_loss(
             chosen, rejected, ref_chosen, ref_rejected, o.beta, o.loss_type, o.label_smoothing, o.reference_free
@@ -129,7 +141,8 @@ class DPOTrainer:
     def _engine_losses(
         self, engine: TrainedModel, batch: SequenceBatch
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return self.losses(logits_of(engine(batch["input_ids"])), batch)
+        reference = self._reference_logprobs(batch)  # first: module docstring
+        return self.losses(logits_of(engine(batch["input_ids"])), batch, reference)
 
     def train_step(self, micro_batches: Iterable[SequenceBatch]) -> dict[str, float]:
         """One optimizer step over the engine's accumulation of ``micro_batches`` (this rank's

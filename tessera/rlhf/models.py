@@ -35,14 +35,13 @@ tessera's policies gather their logits whole: :func:`~tessera.rlhf.tokens.token_
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from functools import partial
 from typing import Any, cast
 
 import torch
 from torch import nn
 
-from tessera import lora
 from tessera import nn as tnn
 from tessera.checkpoint import load_full_state_dict
 from tessera.comm import AxisGroup
@@ -61,22 +60,6 @@ from tessera.rlhf.tokens import (
     shape_of,
     token_logprobs,
 )
-
-
-def adapters_off(policy: Any) -> Callable[[torch.Tensor], Any]:
-    """The frozen base of ``policy`` (an engine, or a model with ``tessera.lora`` adapters) as
-    a reference model: its forward with the adapters switched off, so that DPO and PPO hold one
-    copy of the base instead of two. Raises ConfigError for a model without adapters."""
-    module = getattr(policy, "module", policy)
-    if not lora.adapters(module):
-        raise ConfigError("adapters_off: the policy has no LoRA adapters (tessera.lora.apply puts them on)")
-
-    def reference(input_ids: torch.Tensor) -> Any:
-        with lora.disabled(module):
-            return module(input_ids)
-
-    return reference
-
 
 __all__ = [
     "GPTValueModel",

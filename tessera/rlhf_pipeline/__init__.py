@@ -30,6 +30,12 @@ take ``ranks`` and ``parallel`` only. Everything is checked before any process s
 (:func:`plan_stage`): unknown keys, ranks outside the job, layouts that do not fit their ranks,
 batches that do not split over data ranks and accumulation, missing weights.
 
+**LoRA adapters.** Each trained model takes a ``lora`` section (tessera's ``LoraConfig``): it then
+trains adapters on its frozen weights, and a policy's or actor's reference is its own base with
+the adapters off (:class:`~tessera.rlhf.adapters.AdaptersOff`), no model of its own. A stage
+writes its adapters as a PEFT folder and its weights with them merged (what the next stage
+loads).
+
 **A stage's folder**: ``config.json`` (the resolved config), ``metrics.jsonl`` (a line every
 ``train.log_every`` steps and at every evaluation: the step's metrics, ``eval/...`` the held-out
 ones, ``time`` the seconds since training began), ``model.safetensors`` and ``model.json``,

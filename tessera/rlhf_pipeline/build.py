@@ -1,6 +1,6 @@
 """Building a ``tessera rlhf`` stage's models on a rank, from its plan
-(:mod:`tessera.rlhf_pipeline.plan`): each role's context, model, weights and engine
-(:class:`Built`), and the rule rewards and stop penalty that wrap them."""
+(:mod:`tessera.rlhf_pipeline.plan`): each role's context, model, weights, LoRA adapters and
+engine (:class:`Built`), and the rule rewards and stop penalty that wrap them."""
 
 from __future__ import annotations
 
@@ -12,9 +12,13 @@ import torch
 from torch import nn
 
 import tessera
+from tessera import lora
 from tessera.checkpoint import load_full_state_dict, load_weights
+from tessera.config.schema import LoraConfig
 from tessera.context import ParallelContext, get_context
 from tessera.errors import ConfigError
+from tessera.lora.quant import quantize
+from tessera.rlhf.adapters import AdaptersOff
 from tessera.rlhf.experience import Frozen, text_reward
 from tessera.rlhf.models import ValueModel, value_model
 from tessera.rlhf_pipeline.config import ModelSpec
@@ -62,6 +66,20 @@ def load_into(model: nn.Module, weights: Path, role: str) -> None:
         raise ConfigError(f"{role}: {weights} does not fit the model: {exc}") from None
 
 
+def put_adapters(model: nn.Module, cfg: LoraConfig, value: bool) -> None:
+    """``cfg``'s adapters on ``model`` (its weights loaded), the rest frozen, the adapted layers'
+    bases quantized as ``cfg.quantize`` says. A value model's head ``score`` is no target of
+    ``"all-linear"`` and trains whole (``modules_to_save``)."""
+    targets, saved = tuple(cfg.targets), tuple(cfg.modules_to_save)
+    if value:
+        if targets == ("all-linear",):
+            targets = tuple(name for name in lora.linear_layers(model) if name != "score")
+        saved = tuple(dict.fromkeys((*saved, "score")))
+    lora.apply(model, lora.LoraOptions(cfg.rank, cfg.alpha, cfg.dropout, targets, saved, cfg.init))
+    if cfg.quantize != "none":
+        quantize(model, cfg.quantize, double_quant=cfg.double_quant)
+
+
 class StopPenalty(nn.Module):
     """A reward model whose value at every token other than a stop token is ``penalty`` lower:
     a row's score, read at its last token, drops by ``penalty`` when its response was cut off
@@ -103,9 +121,10 @@ class Built:
         self.job = get_context()
         self.job_config = current_config()
         self.contexts: dict[str, ParallelContext | None] = {}
+        self.engines: dict[str, Any] = {}
         for role, plan in plans.items():  # collective over the job: every rank, the same order
-            if role == "reference" and "policy" in plans:
-                self.contexts[role] = self.contexts["policy"]  # DPO: the reference beside the policy
+            if plan.base_of is not None or (role == "reference" and "policy" in plans):
+                self.contexts[role] = self.contexts[plan.base_of or "policy"]  # DPO's, or the base: beside it
                 continue
             self.contexts[role] = ParallelContext.on_ranks(
                 plan.ranks, plan.dims, device=self.job.device, seed=plan.config.seed
@@ -125,6 +144,11 @@ class Built:
                 model = value_model(model, head_std=head_std, head_seed=plan.config.seed)
             if plan.weights is not None:
                 load_into(model, plan.weights, role)
+            if plan.lora is not None:
+                try:
+                    put_adapters(model, plan.lora, plan.value)
+                except ConfigError as exc:  # a target or rank this model does not have: name the model
+                    raise ConfigError(f"{role}: {exc}") from None
         finally:
             set_session(self.job, self.job_config)
         return model.to(ctx.device)
@@ -134,6 +158,7 @@ class Built:
         optimizer built (a frozen model's never steps: ``tessera.initialize`` needs one)."""
         model = self.module(role, head_std=head_std)
         if model is None:
+            self.engines[role] = None
             return None
         from tessera.train import build_optimizer
 
@@ -143,10 +168,17 @@ class Built:
         else:
             optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # no state: it never steps
         engine, _, _, _ = tessera.initialize(model, optimizer, ctx=self.contexts[role], config=plan.config)
+        self.engines[role] = engine
         return engine
 
-    def frozen(self, role: str) -> Frozen | None:
+    def frozen(self, role: str) -> Frozen | AdaptersOff | None:
         """The role's frozen model on this rank (None where it is not held), run through its
-        engine's forward: ZeRO-3's pieces, tensor-parallel blocks, mixed precision."""
+        engine's forward: ZeRO-3's pieces, tensor-parallel blocks, mixed precision. A reference
+        that is a trained model's base (``base_of``; that model's engine built first) is that
+        engine with its adapters off."""
+        base_of = self.plans[role].base_of
+        if base_of is not None:
+            trained = self.engines[base_of]
+            return AdaptersOff(trained) if trained is not None else None
         engine = self.engine(role)
         return Frozen(engine) if engine is not None else None

@@ -1,5 +1,6 @@
 """What a ``tessera rlhf`` stage writes and prints: the metrics log (``metrics.jsonl`` and a line
-per logged step), the plots' panels, ``summary.json``, the model card and the saved weights."""
+per logged step), the plots' panels, ``summary.json``, the model card and the saved weights (and
+a model's LoRA adapters: merged into its weights for the next stage, and alone as a PEFT folder)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,13 @@ from tessera.checkpoint import full_state_dict, save_weights
 from tessera.config.schema import HF_PREFIX
 from tessera.context import get_context
 from tessera.files import write_atomically
+from tessera.hf.adapters import merged_state_dict, save_adapters
 from tessera.rlhf.plots import Panel, plot_metrics
 from tessera.rlhf_pipeline.config import CARD, WEIGHTS, StageConfig
 from tessera.rlhf_pipeline.plan import RolePlan
+from tessera.session import current_config, set_session
+
+ADAPTERS = {"model.safetensors": "adapter", "critic.safetensors": "critic_adapter"}  # each file's PEFT folder
 
 
 class RunLog:
@@ -114,28 +119,74 @@ def summary(stage: str, records: Sequence[Mapping[str, Any]], seconds: float, st
     }
 
 
-def save_engine(engine: Any, path: Path) -> None:
-    """The engine's full state to ``path`` (collective over the engine's ranks; its rank 0 writes)."""
-    state = full_state_dict(engine)
+def save_engine(engine: Any, plan: RolePlan, path: Path) -> None:
+    """The engine's full state to ``path`` (collective over the engine's ranks; its rank 0
+    writes). With LoRA adapters: the adapters merged into the base (a plain model's weights, which
+    the next stage loads as any), and the adapters alone as a PEFT folder beside (:data:`ADAPTERS`)."""
+    if plan.lora is None:
+        state = full_state_dict(engine)
+    else:
+        job, job_config = get_context(), current_config()
+        set_session(engine.ctx, plan.config)  # the engine's rank 0 writes the folder
+        try:
+            save_adapters(engine, path.parent / ADAPTERS[path.name], base_model=_spec(plan).hf_path)
+        finally:
+            set_session(job, job_config)
+        state = merged_state_dict(engine)
     if engine.ctx.rank == 0:
         save_weights(state, path)
 
 
-def finish_stage(stage: str, cfg: StageConfig, plan: RolePlan, run_dir: Path, log: RunLog, steps: int) -> None:
-    """model.json, the plots and summary.json (job rank 0), once the weights are written."""
-    comm.barrier(get_context().group("world"))  # the weights are on disk before the stage reports done
-    if get_context().rank != 0:
-        return
+def _spec(plan: RolePlan) -> Any:
     spec = plan.spec
     if spec.hf_path is not None:  # the next stage may run elsewhere: name the folder whole
         spec = dataclasses.replace(spec, name=HF_PREFIX + str(Path(spec.hf_path).resolve()))
-    card = {"stage": stage, "value": plan.value, "model": dataclasses.asdict(spec), "weights": WEIGHTS}
+    return spec
+
+
+def _adapters_card(plans: Mapping[str, RolePlan]) -> dict[str, Any]:
+    """What the card says of the stage's adapters: each trained model's (its PEFT folder, the
+    base it trained on) and a reference that was the policy's base with its adapters off."""
+    card: dict[str, Any] = {}
+    for plan in plans.values():
+        if plan.lora is not None:
+            folder = ADAPTERS["critic.safetensors" if plan.role == "critic" else WEIGHTS]
+            base = str(plan.weights.resolve()) if plan.weights is not None else None
+            card.setdefault("lora", {})[plan.role] = {**dataclasses.asdict(plan.lora), "adapter": folder, "base": base,
+                                                     "merged": True}  # fmt: skip
+        if plan.base_of is not None:
+            card["reference"] = f"the {plan.base_of}'s frozen base with its LoRA adapters off"
+    return card
+
+
+def finish_stage(stage: str, cfg: StageConfig, plans: Mapping[str, RolePlan], run_dir: Path, log: RunLog,
+                 steps: int) -> None:  # fmt: skip
+    """model.json, the plots and summary.json (job rank 0), once the weights are written; the
+    card's model is the stage's first (the trained one). Collective: every rank returns once the
+    folder is whole (a next stage of the same job reads its model.json)."""
+    world = get_context().group("world")
+    comm.barrier(world)  # the weights are on disk before the stage reports done
+    if get_context().rank == 0:
+        _write_card_and_figures(stage, plans, run_dir, log, steps)
+    comm.barrier(world)
+
+
+def _write_card_and_figures(stage: str, plans: Mapping[str, RolePlan], run_dir: Path, log: RunLog, steps: int) -> None:
+    plan = next(iter(plans.values()))
+    card: dict[str, Any] = {
+        "stage": stage,
+        "value": plan.value,
+        "model": dataclasses.asdict(_spec(plan)),
+        "weights": WEIGHTS,
+    }
+    card |= _adapters_card(plans)
     write_atomically(run_dir / CARD, json.dumps(card, indent=2) + "\n")
     plots = plot_metrics(log.records, PANELS[stage], run_dir)
     figures = summary(stage, log.records, time.perf_counter() - log.start, steps)
     write_atomically(run_dir / "summary.json", json.dumps(figures, indent=2) + "\n")
-    names = ", ".join(p.name for p in plots)
-    print(f"tessera rlhf {stage}: done in {figures['seconds']:.1f} s; wrote {run_dir} ({WEIGHTS}, {names})",
+    folders = [f"{a['adapter']}/" for a in card.get("lora", {}).values()]
+    names = ", ".join([WEIGHTS, *folders, *(p.name for p in plots)])
+    print(f"tessera rlhf {stage}: done in {figures['seconds']:.1f} s; wrote {run_dir} ({names})",
           file=sys.stderr, flush=True)  # fmt: skip
 
 

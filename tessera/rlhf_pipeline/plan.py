@@ -14,9 +14,7 @@ from typing import Any
 import torch
 
 from tessera.config import Config, build, parallel_dims
-from tessera.config.schema import (
-    OptimizerConfig,
-)
+from tessera.config.schema import LoraConfig, OptimizerConfig
 from tessera.context import ParallelContext, ParallelDims
 from tessera.errors import ConfigError
 from tessera.rlhf.data import (
@@ -52,7 +50,9 @@ from tessera.rlhf_pipeline.tokens import stop_ids, tokenizer_of
 class RolePlan:
     """One model of a stage, resolved: the job ranks holding it, the tessera config and layout
     it runs under, its architecture, the weights it starts from (None: seeded random), whether
-    it is a value model, and its optimizer (None: frozen)."""
+    it is a value model, its optimizer (None: frozen), the LoRA adapters it trains (None: the
+    whole model trains), and for a reference that is a trained model's own base with its
+    adapters off, that model's role (``base_of``; no model of its own is built)."""
 
     role: str
     ranks: tuple[int, ...]
@@ -62,6 +62,8 @@ class RolePlan:
     weights: Path | None
     value: bool
     optimizer: OptimizerConfig | None
+    lora: LoraConfig | None = None
+    base_of: str | None = None
 
     @property
     def data(self) -> int:
@@ -79,9 +81,15 @@ class RolePlan:
         if self.optimizer is not None and self.config.gradient_accumulation > 1:
             axes.append(f"accumulation {self.config.gradient_accumulation}")
         where = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else f"ranks {list(self.ranks)}"
+        if self.base_of is not None:
+            return f"{self.role}: the {self.base_of}'s frozen base with its LoRA adapters off ({where}; no copy of its own)"
         start = f"from {self.weights}" if self.weights is not None else "random"
         frozen = ", frozen" if self.optimizer is None else ""
-        return f"{self.role}: {where}{' (' + ', '.join(axes) + ')' if axes else ''}, {start}{frozen}"
+        adapters = ""
+        if self.lora is not None:
+            quantized = f", {self.lora.quantize}" if self.lora.quantize != "none" else ""
+            adapters = f", LoRA rank {self.lora.rank} on {', '.join(self.lora.targets)} (the rest frozen{quantized})"
+        return f"{self.role}: {where}{' (' + ', '.join(axes) + ')' if axes else ''}, {start}{frozen}{adapters}"
 
 
 def weights_file(init: str, key: str) -> Path:
@@ -140,6 +148,7 @@ def _role(
     value: bool,
     optimizer: OptimizerConfig | None,
     started: str,
+    lora: LoraConfig | None = None,
 ) -> RolePlan:
     key = f"{role}."
     chosen = tuple(ranks) if ranks is not None else tuple(range(world))
@@ -154,7 +163,48 @@ def _role(
     except ConfigError as exc:
         raise ConfigError(f"{key}parallel: {exc} (it has {len(chosen)} rank(s): {list(chosen)}) {started}") from None
     weights = weights_file(init, f"{key}init" if role != "reward" else "reward.from") if init is not None else None
-    return RolePlan(role, chosen, config, dims, _architecture(cfg, weights, key), weights, value, optimizer)
+    spec = _architecture(cfg, weights, key)
+    adapters = lora if lora is not None and lora.rank else None
+    if adapters is not None:
+        _check_lora(role, adapters, spec, dims, value)
+    return RolePlan(role, chosen, config, dims, spec, weights, value, optimizer, adapters)
+
+
+def _check_lora(role: str, lora: LoraConfig, spec: ModelSpec, dims: ParallelDims, value: bool) -> None:
+    """The adapters a model's layout and kind take (tessera.lora refuses the rest on the ranks)."""
+    if dims.tensor > 1 and (spec.hf_path is None or value):
+        what = "a value model" if value else "tessera's GPT"
+        raise ConfigError(
+            f"{role}.lora: adapters on {what} do not yet follow tensor parallelism (its layers split themselves "
+            f"before the adapters go on); give {role} data parallelism or ZeRO (parallel.tensor.size=1)"
+            + ("" if value else ", or an hf: model, whose adapters split with it")
+        )
+    if value and "score" in lora.targets:
+        raise ConfigError(
+            f"{role}.lora.targets names 'score': a value model's head trains whole beside the adapters "
+            "(modules_to_save); leave it out of the targets"
+        )
+
+
+def _base_reference(trained: RolePlan, init: str | None, where: str, layout_given: bool) -> RolePlan:
+    """The reference of a policy or actor with adapters: its own frozen base with the adapters
+    off, on its ranks, under its layout; a reference configured to differ from it is refused."""
+    role = trained.role
+    keep = f"leave {where} out (the reference is the {role}'s own base with its adapters off), or train the whole "
+    keep += f"{role} ({role}.lora.rank=0) against a reference of its own"
+    if init is not None:
+        given = weights_file(init, "reference.init").resolve()
+        if trained.weights is None or given != trained.weights.resolve():
+            start = trained.weights if trained.weights is not None else "seeded random weights"
+            raise ConfigError(
+                f"reference.init={init!r}: with {role}.lora the reference is the {role}'s frozen base ({start}), "
+                f"not another model; {keep}"
+            )
+    if layout_given:
+        raise ConfigError(
+            f"reference: with {role}.lora the reference runs on the {role}'s ranks, under its layout; {keep}"
+        )
+    return dataclasses.replace(trained, role="reference", optimizer=None, lora=None, base_of=role)
 
 
 def _divides(rows: int, parts: int, what: str) -> None:
@@ -175,8 +225,10 @@ def plan_stage(stage: str, cfg: StageConfig, world: int, started: str = "") -> d
         _data_file(cfg.data.eval, "eval")
     if isinstance(cfg, SFTStageConfig | DPOStageConfig):
         p = cfg.policy
-        plans["policy"] = _role(cfg, "policy", world, None, p, p.init, False, p.optimizer, started)
-        if isinstance(cfg, DPOStageConfig) and not cfg.dpo.reference_free:
+        plans["policy"] = _role(cfg, "policy", world, None, p, p.init, False, p.optimizer, started, p.lora)
+        if isinstance(cfg, DPOStageConfig) and not cfg.dpo.reference_free and plans["policy"].lora is not None:
+            plans["reference"] = _base_reference(plans["policy"], cfg.reference.init, "reference.init", False)
+        elif isinstance(cfg, DPOStageConfig) and not cfg.dpo.reference_free:
             init = cfg.reference.init if cfg.reference.init is not None else p.init
             policy = plans["policy"]
             reference = _role(cfg, "reference", world, None, p, init, False, None, started)
@@ -184,7 +236,7 @@ def plan_stage(stage: str, cfg: StageConfig, world: int, started: str = "") -> d
         trained = plans["policy"]
     elif isinstance(cfg, RMStageConfig):
         r = cfg.reward_model
-        plans["reward_model"] = _role(cfg, "reward_model", world, None, r, r.init, True, r.optimizer, started)
+        plans["reward_model"] = _role(cfg, "reward_model", world, None, r, r.init, True, r.optimizer, started, r.lora)
         trained = plans["reward_model"]
     else:
         assert isinstance(cfg, PPOStageConfig | GRPOStageConfig)
@@ -199,7 +251,7 @@ def plan_stage(stage: str, cfg: StageConfig, world: int, started: str = "") -> d
 def _plan_rl(cfg: PPOStageConfig | GRPOStageConfig, world: int, started: str) -> dict[str, RolePlan]:
     plans: dict[str, RolePlan] = {}
     a = cfg.actor
-    plans["actor"] = actor = _role(cfg, "actor", world, a.ranks, a, a.init, False, a.optimizer, started)
+    plans["actor"] = actor = _role(cfg, "actor", world, a.ranks, a, a.init, False, a.optimizer, started, a.lora)
     if actor.dims.tensor > 1 or cfg.actor.zero.stage == 3:
         raise ConfigError(
             "actor: each of its data ranks generates rollouts with the whole model, so its layout may not split "
@@ -208,12 +260,17 @@ def _plan_rl(cfg: PPOStageConfig | GRPOStageConfig, world: int, started: str) ->
     if isinstance(cfg, PPOStageConfig):
         c = cfg.critic
         init = c.init if c.init is not None else a.init
-        plans["critic"] = _role(cfg, "critic", world, c.ranks, c, init, True, c.optimizer, started)
+        plans["critic"] = _role(cfg, "critic", world, c.ranks, c, init, True, c.optimizer, started, c.lora)
         kl = cfg.ppo.kl_coef > 0 or cfg.ppo.kl_target is not None
     else:
         kl = cfg.grpo.beta > 0
     ref = cfg.reference
-    if kl:
+    if kl and actor.lora is not None:
+        placed = ref.ranks is not None or any(
+            getattr(ref, f.name) != getattr(FrozenLayout(), f.name) for f in dataclasses.fields(FrozenLayout)
+        )
+        plans["reference"] = _base_reference(actor, ref.init, "reference.init, ranks and layout", placed)
+    elif kl:
         init = ref.init if ref.init is not None else a.init
         plans["reference"] = _role(cfg, "reference", world, ref.ranks, ref, init, False, None, started)
     if cfg.reward.from_ is not None:

@@ -39,7 +39,6 @@ from tessera.rlhf_pipeline.config import (
     RMStageConfig,
     SFTStageConfig,
     StageConfig,
-    _plain,
     default_run_dir,
     load_stage_config,
 )
@@ -54,6 +53,7 @@ from tessera.rlhf_pipeline.plan import (
     prompt_examples,
     sft_examples,
 )
+from tessera.rlhf_pipeline.sections import _plain
 from tessera.rlhf_pipeline.tokens import stop_ids, tokenizer_of
 
 
@@ -109,8 +109,8 @@ def _supervised(stage: str, cfg: StageConfig, plans: Mapping[str, RolePlan], run
         metrics = trainer.train_step(micro)
         evaluation = trainer.evaluate(held) if held is not None and _due(step, total, loop.eval_every) else None
         log.write(step, metrics, evaluation)
-    save_engine(engine, run_dir / WEIGHTS)
-    finish_stage(stage, cfg, trained, run_dir, log, total)
+    save_engine(engine, trained, run_dir / WEIGHTS)
+    finish_stage(stage, cfg, plans, run_dir, log, total)
 
 
 def _example_sets(cls: Any, load: Callable[[str, str], Any], data: ExampleData, tokenizer: Any) -> tuple[Any, Any]:
@@ -233,10 +233,10 @@ def _rl(stage: str, cfg: PPOStageConfig | GRPOStageConfig, plans: Mapping[str, R
         metrics = trainer.step(prompts, seed=cfg.seed * 1_000_003 + step)
         log.write(step, metrics, held() if held is not None and _due(step, total, loop.eval_every) else None)
     if actor is not None:
-        save_engine(actor, run_dir / WEIGHTS)
+        save_engine(actor, plans["actor"], run_dir / WEIGHTS)
     if critic is not None:
-        save_engine(critic, run_dir / "critic.safetensors")
-    finish_stage(stage, cfg, plans["actor"], run_dir, log, total)
+        save_engine(critic, plans["critic"], run_dir / "critic.safetensors")
+    finish_stage(stage, cfg, plans, run_dir, log, total)
 
 
 def run_ppo(cfg: PPOStageConfig, plans: Mapping[str, RolePlan], run_dir: Path) -> None:

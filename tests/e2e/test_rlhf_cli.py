@@ -72,3 +72,48 @@ def test_sft_then_ppo_on_ranks_of_their_own(tmp_path):
     assert "score.weight" in critic
     summary = json.loads((ppo_dir / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["eval_first"]["step"] == 0
+
+
+def test_ppo_with_adapters_on_the_actor_and_the_critic(tmp_path):
+    """The actor on rank 0 and the critic on rank 1 train LoRA adapters; the reference is the
+    actor's base with its adapters off. The folder holds each model's adapters (PEFT folders) and
+    its weights with them merged, which plain models load."""
+    from tessera.checkpoint import load_full_state_dict, save_weights
+    from tessera.hf.adapters import load_adapters, merged_state_dict
+    from tessera.models import gpt
+    from tessera.rlhf import value_model
+
+    start, ppo_dir = tmp_path / "start", tmp_path / "ppo"
+    torch.manual_seed(0)
+    save_weights(gpt("tiny", **MODEL["options"]).state_dict(), start / "model.safetensors")
+    (start / "model.json").write_text(json.dumps({"stage": "sft", "value": False, "model": MODEL}))
+    adapters = {"optimizer": {"lr": 1e-2, "weight_decay": 0.0}, "lora": {"rank": 4, "targets": ["qkv", "out"]}}
+    ppo = tmp_path / "ppo.json"
+    ppo.write_text(json.dumps({
+        "actor": {"ranks": [0], "init": str(start), **adapters},
+        "critic": {"ranks": [1], **adapters},
+        "reward": {"rule": "sorting"},
+        "generation": {"max_tokens": 6},
+        "train": {"steps": 2, "batch_size": 4, "eval_size": 4},
+    }))  # fmt: skip
+    out = run([*tessera_cmd(), "rlhf", "ppo", str(ppo), "--nproc", "2", "--output-dir", str(ppo_dir)], timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "reference: the actor's frozen base with its LoRA adapters off (rank 0; no copy of its own)" in out.stderr
+    assert "actor: rank 0, from " in out.stderr and "LoRA rank 4 on qkv, out" in out.stderr
+    names = {p.name for p in ppo_dir.iterdir()}
+    assert names >= {"model.safetensors", "critic.safetensors", "adapter", "critic_adapter", "model.json"}
+    card = json.loads((ppo_dir / "model.json").read_text())
+    assert card["lora"]["actor"]["adapter"] == "adapter" and card["lora"]["critic"]["adapter"] == "critic_adapter"
+    assert card["reference"] == "the actor's frozen base with its LoRA adapters off"
+    assert {"reward", "kl", "policy/loss", "value/loss"} <= set(records(ppo_dir)[-1])
+
+    # the merged weights are the start's with the saved adapters folded in, under a plain GPT's keys
+    actor = gpt("tiny", **MODEL["options"])
+    load_full_state_dict(actor, load_weights(start / "model.safetensors"))
+    load_adapters(actor, ppo_dir / "adapter")
+    merged = load_weights(ppo_dir / "model.safetensors")
+    load_full_state_dict(gpt("tiny", **MODEL["options"]), merged)
+    for key, value in merged_state_dict(actor).items():
+        torch.testing.assert_close(merged[key], value, rtol=1e-6, atol=1e-6, msg=key)
+    critic = load_weights(ppo_dir / "critic.safetensors")
+    load_full_state_dict(value_model(gpt("tiny", **MODEL["options"])), critic)  # a plain value model's keys

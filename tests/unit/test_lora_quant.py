@@ -111,3 +111,24 @@ def test_a_quantized_layer_keeps_no_full_precision_weight_for_the_backward():
     assert sum(saved) < 256 * 128 * 4 // 8, saved  # nothing near the fp32 weight's 128 KiB waits for the backward
     y.sum().backward()
     torch.testing.assert_close(x.grad, torch.ones(2, 128) @ layer.weight_value())
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+def test_merged_weights_fold_the_adapters_into_the_dequantized_base(fmt):
+    """GPT-2's Conv1D layers keep [in, out] weights: the merged weight takes that shape back."""
+    import transformers
+
+    from tessera.hf.adapters import merged_state_dict
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=64, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    tessera.lora.apply(model, rank=4, targets=("c_attn", "c_fc"))
+    quantize(model, fmt)
+    for _, layer in tessera.lora.adapters(model):
+        nn.init.normal_(layer.lora_B.weight, std=0.1)
+    plain = transformers.GPT2LMHeadModel(config)
+    plain.load_state_dict(merged_state_dict(model))  # the plain model's keys and shapes
+    ids = torch.randint(0, 64, (2, 8))
+    model.eval(), plain.eval()
+    torch.testing.assert_close(plain(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
