@@ -48,7 +48,7 @@ from tessera.engine import (
 )
 from tessera.errors import ConfigError
 from tessera.files import atomic_path, write_atomically
-from tessera.hf.adapters import save_adapters
+from tessera.hf.adapters import merged_state_dict, save_adapters
 from tessera.hf.train import CausalLMLoss, SavePretrainedHook, build_model, find_causal_lm, sequence_length, tokens_of
 from tessera.lora.quant import quantize
 from tessera.models import NextTokenLoss, gpt
@@ -200,7 +200,9 @@ class Recipe:
 
 def gpt_recipe(cfg: Config) -> Recipe:
     """The reference GPT (``model.name = "gpt"``) on the bytes of the configured text."""
-    with tessera.deferred_init() if cfg.model.deferred else contextlib.nullcontext():
+    # a base quantized from random weights needs them made first (a folder's are quantized as read)
+    deferred = cfg.model.deferred and not (cfg.lora.rank and cfg.lora.quantize != "none")
+    with tessera.deferred_init() if deferred else contextlib.nullcontext():
         model = gpt(cfg.model.preset, **cfg.model.options)
     seq_len = cfg.data.seq_len or model.config.max_seq_len
     train_set, eval_set = split_tokens(corpus_bytes(cfg.data), seq_len, cfg.data)
@@ -219,7 +221,8 @@ def hf_recipe(cfg: Config) -> Recipe:
     assert cfg.model.hf_path is not None
     lm = find_causal_lm(cfg.model.hf_path, cfg.model.options)
     seq_len = sequence_length(lm, cfg.data.seq_len)
-    model = build_model(lm, cfg.model.options, deferred=cfg.model.deferred)
+    quantized = cfg.lora.rank and cfg.lora.quantize != "none"  # random weights quantized need making first
+    model = build_model(lm, cfg.model.options, deferred=cfg.model.deferred and not quantized)
     train_set, eval_set = split_tokens(tokens_of(corpus_bytes(cfg.data), lm.tokenizer), seq_len, cfg.data)
     count = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())  # full shapes: not made yet
     weights = f"weights of {lm.path}" if lm.weights else "random weights"
@@ -279,8 +282,9 @@ def run(cfg: Config, run_dir: Path) -> list[dict[str, Any]]:
         MemoryHook(every=cfg.trainer.log_every),
         RoutingHook(plot=run_dir / "experts.png" if ctx.rank == 0 else None),
         EvalHook(eval_loader, every=cfg.trainer.eval_every, max_batches=cfg.trainer.eval_batches),
-        # with adapters on a Hugging Face base the run keeps the adapters alone (below), PEFT's way
-        *([] if cfg.lora.rank and cfg.model.hf_path else [recipe.final_weights(run_dir)]),
+        # with adapters on a Hugging Face base the run keeps the adapters alone (below), PEFT's way;
+        # on tessera's GPT its weights with the adapters merged in (a model `tessera generate` reads)
+        *([] if cfg.lora.rank and cfg.model.hf_path else [final_weights(recipe, cfg, run_dir)]),
         LogHook(every=cfg.trainer.log_every, jsonl=run_dir / "metrics.jsonl"),
         MemoryReportHook(run_dir / "memory.json" if ctx.rank == 0 else None),
         ProgressBarHook(enabled=cfg.trainer.progress_bar),
@@ -301,6 +305,13 @@ def run(cfg: Config, run_dir: Path) -> list[dict[str, Any]]:
         first, last = history[0]["loss"], history[-1]["loss"]
         print(f"tessera train: loss {first:.3f} -> {last:.3f}; wrote {run_dir}", file=sys.stderr, flush=True)
     return history
+
+
+def final_weights(recipe: Recipe, cfg: Config, run_dir: Path) -> Hook:
+    """The hook that writes the run's final weights; with adapters, merged into the base."""
+    if cfg.lora.rank:
+        return CheckpointHook(run_dir, state_of=merged_state_dict)
+    return recipe.final_weights(run_dir)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

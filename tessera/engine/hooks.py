@@ -300,16 +300,20 @@ class EvalHook(Hook):
 
 class CheckpointHook(Hook):
     """Every ``every`` steps and at the end, rank 0 writes the full model weights atomically to
-    ``folder/step_{N}/model.safetensors`` (and ``folder/model.safetensors`` at the end)."""
+    ``folder/step_{N}/model.safetensors`` (and ``folder/model.safetensors`` at the end);
+    ``state_of(engine)``: the weights written (collective; default the full state dict)."""
 
     priority = 60
 
-    def __init__(self, folder: str | Path, every: int | None = None) -> None:
+    def __init__(
+        self, folder: str | Path, every: int | None = None, state_of: Callable[[Any], dict[str, Any]] | None = None
+    ) -> None:
         self.folder = Path(folder)
         self.every = every
+        self.state_of = state_of or full_state_dict
 
     def _save(self, trainer: TrainingLoop, path: Path) -> None:
-        state = full_state_dict(trainer.engine)  # collective; the fp32 masters where ZeRO keeps them
+        state = self.state_of(trainer.engine)  # collective; the fp32 masters where ZeRO keeps them
         if _is_rank0(trainer):
             save_weights(state, path)
 

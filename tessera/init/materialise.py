@@ -158,14 +158,16 @@ def materialise(strategy: Any, wants: list[Want], rec: Recording | None, source:
 def _fill(strategy: Any, wants: list[Want], rec: Recording | None, source: Source, consume: bool) -> None:
     """Fill the targets of ``wants`` from ``source`` (``consume``: the replay may use up the
     recording: no group follows)."""
+    holds = source.holds if isinstance(source, ValueSource) else (lambda key: False)
+    unmade = [w.key for w in wants if w.ref.sid == UNRECORDED and not callable(source) and not holds(w.key)]
+    if unmade and (isinstance(source, ValueSource) or source == "random"):  # a file is checked as it is read
+        raise DeferredInitError(
+            f"{', '.join(unmade[:4])}{' ...' if len(unmade) > 4 else ''}: made on the meta device after the deferred "
+            "construction (a base quantized before it was made), and nothing gives their values: quantize a "
+            "deferred base whose values come from a folder (tessera.hf.from_pretrained), or build the model whole"
+        )
     if isinstance(source, ValueSource):
         lacking = [w for w in wants if not source.holds(w.key)]  # made by the construction, or kept
-        unmade = [w.key for w in lacking if w.ref.sid == UNRECORDED]
-        if unmade:
-            raise DeferredInitError(
-                f"{', '.join(unmade[:4])}{' ...' if len(unmade) > 4 else ''}: made on the meta device after the "
-                "deferred construction, and the source of values has none for them"
-            )
         for want in wants:
             if source.holds(want.key):
                 source.fill(want.key, want.targets)

@@ -234,3 +234,24 @@ def test_adapters_fine_tuned_under_tensor_parallelism_load_into_peft(tmp_path):
     adapted = peft.PeftModel.from_pretrained(base, run_dir / "adapter")
     assert adapted.peft_config["default"].r == 4
     assert loss_on(adapted, text) < before - 0.05
+
+
+def test_lora_on_tessera_gpt_writes_its_weights_with_the_adapters_merged(tmp_path):
+    from tessera.checkpoint import load_weights
+    from tessera.models import gpt
+
+    run_dir = tmp_path / "run"
+    out = run([*tessera_cmd(), "train", "--nproc", "2", "--output-dir", str(run_dir), "--set", "parallel.data=2",
+               "--set", "zero.stage=3", "--set", "data.max_bytes=30000", "--set", "lora.rank=4",
+               "--set", "lora.quantize=nf4", *SHORT], timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (run_dir / "adapter" / "adapter_config.json").is_file()
+    weights = load_weights(run_dir / "model.safetensors")
+    plain = gpt("tiny")
+    assert set(weights) == set(plain.state_dict()), "the plain GPT's keys: no base_layer, lora_ or codes"
+    plain.load_state_dict(weights)  # shapes fit
+    config = tmp_path / "model.yaml"
+    config.write_text(f"model:\n  name: gpt\n  preset: tiny\n  init: {run_dir / 'model.safetensors'}\n")
+    done = run([sys.executable, "-m", "tessera.cli", "generate", str(config), "--nproc-per-node", "1",
+                "--prompt", "def", "--max-tokens", "4"], timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
