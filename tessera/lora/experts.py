@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from tessera.context.placement import ShardSpec, placement_of
-from tessera.lora.layers import INITS, summed_gradient
+from tessera.lora.layers import adapter_beside, summed_gradient
 from tessera.nn.moe import GroupedExperts
 from tessera.parallel.tensor.common import shard_parameter
 
@@ -51,17 +51,17 @@ class LoraExperts(nn.Module):
     ``alpha / rank``, on each projection of each expert (module docstring); ``dropout`` and
     ``init`` as :class:`~tessera.lora.layers.LoraLinear`'s."""
 
+    base_layer: GroupedExperts
+    rank: int
+    alpha: float
+    scaling: float
+    lora_dropout: nn.Module
+
     def __init__(
         self, base_layer: GroupedExperts, rank: int, alpha: float, dropout: float = 0.0, init: str = "default"
     ) -> None:
         super().__init__()
-        if init not in INITS:
-            raise ValueError(f"lora.init={init!r}: expected one of {', '.join(INITS)}")
-        self.base_layer = base_layer
-        for p in base_layer.parameters():
-            p.requires_grad_(False)
-        self.rank, self.alpha, self.scaling = rank, alpha, alpha / rank
-        self.lora_dropout: nn.Module = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        adapter_beside(self, base_layer, rank, alpha, dropout, init)
         self.lora_A, self.lora_B = nn.ModuleDict(), nn.ModuleDict()
         self.enabled = True
         self._tensor = base_layer.tensor

@@ -142,11 +142,29 @@ QUANTIZED_SPLIT = (
 )
 
 
+def adapter_beside(module: Any, base_layer: nn.Module, rank: int, alpha: float, dropout: float, init: str) -> None:
+    """What every adapter module sets first: ``base_layer`` frozen, the rank, alpha and scaling
+    ``alpha / rank``, the dropout on the adapter's input (``init`` checked)."""
+    if init not in INITS:
+        raise ValueError(f"lora.init={init!r}: expected one of {', '.join(INITS)}")
+    module.base_layer = base_layer
+    for p in base_layer.parameters():
+        p.requires_grad_(False)
+    module.rank, module.alpha, module.scaling = rank, alpha, alpha / rank
+    module.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+
 class LoraLinear(nn.Module):
     """``base_layer`` (frozen) plus a rank-``rank`` adapter scaled by ``alpha / rank``;
     ``dropout`` on the adapter's input; ``init``: ``"default"`` (``A`` Kaiming-uniform as
     ``nn.Linear`` initialises, ``B`` zero: the model starts unchanged, as PEFT's default),
     ``"gaussian"`` (``A`` normal with std ``1/rank``, ``B`` zero) or ``"zeros"``."""
+
+    base_layer: nn.Module
+    rank: int
+    alpha: float
+    scaling: float
+    lora_dropout: nn.Module
 
     def __init__(
         self, base_layer: nn.Module, rank: int, alpha: float, dropout: float = 0.0, init: str = "default"
@@ -161,13 +179,7 @@ class LoraLinear(nn.Module):
                 f"lora.rank={rank} must be between 1 and the layer's smaller dimension "
                 f"(in {self.in_features}, out {self.out_features})"
             )
-        if init not in INITS:
-            raise ValueError(f"lora.init={init!r}: expected one of {', '.join(INITS)}")
-        self.base_layer = base_layer
-        for p in base_layer.parameters():
-            p.requires_grad_(False)
-        self.rank, self.alpha, self.scaling = rank, alpha, alpha / rank
-        self.lora_dropout: nn.Module = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        adapter_beside(self, base_layer, rank, alpha, dropout, init)
         self.lora_A = nn.Linear(self.in_features, rank, bias=False)
         self.lora_B = nn.Linear(rank, self.out_features, bias=False)
         self.enabled = True

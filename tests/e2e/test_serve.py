@@ -175,22 +175,13 @@ def test_an_api_key_shuts_out_requests_without_it(served):
 def test_tessera_serve_warns_on_a_public_address_and_takes_its_key_from_the_environment(weights, tmp_path):
     config = tmp_path / "serve.yaml"
     config.write_text(f"model:\n  name: gpt\n  preset: tiny\n  options: {json.dumps(OPTIONS)}\n  init: {weights}\n")
-    port = _free_port()
+    port = free_port()
     env = os.environ | {"TESSERA_API_KEY": KEY}
     cmd = [sys.executable, "-m", "tessera.cli", "serve", str(config), "--host", "0.0.0.0", "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        wait_until_serving(proc, url, 60)
         assert httpx.get(url + "/v1/models").status_code == 401
         answer = client(url, KEY).completions.create(model="gpt-tiny", prompt="The cat", max_tokens=5, temperature=0)
         assert answer.choices[0].text == greedy_text(reference_model(), "The cat", 5)
@@ -200,7 +191,21 @@ def test_tessera_serve_warns_on_a_public_address_and_takes_its_key_from_the_envi
     assert "warning" in err and "0.0.0.0" in err
 
 
-def _free_port() -> int:
+def wait_until_serving(proc: subprocess.Popen, url: str, seconds: float) -> None:
+    """Until ``url/health`` answers 200; fails with the server's error output if it exits first."""
+    deadline = time.monotonic() + seconds
+    while True:
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"tessera serve did not start within {seconds:.0f} s"
+        time.sleep(0.2)
+
+
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:

@@ -15,15 +15,14 @@ import concurrent.futures
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import fastapi  # noqa: F401 -- the serve extra, installed by the test extra
-import httpx
 import openai
 import pytest
 
 from tessera.inference.text import ByteTokenizer
+from tests.e2e.test_serve import free_port, wait_until_serving
 from tests.unit.test_lora_serving import greedy_loop, make_folders, merged
 
 BASE = "tiny-llama"
@@ -49,21 +48,13 @@ def expected(folders) -> dict[str, dict[str, str]]:
     return out
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def server(folders, tmp_path_factory):
     """The URL of ``tessera serve BASE --served-name tiny-llama --adapter alpha=FOLDER --adapter FOLDER``
     (the second named by its folder, ``beta``), on one rank (tests/dist/test_lora_serving.py runs
     the same engine under tensor and pipeline parallelism: a second rank here would double the
     start-up time)."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "tessera.cli", "serve", str(folders["base"]), "--served-name", BASE]
     cmd += ["--adapter", f"alpha={folders['alpha']}", "--adapter", str(folders["beta"])]
     cmd += ["--port", str(port), "--kv-blocks", "64", "--block-size", "8"]
@@ -71,16 +62,7 @@ def server(folders, tmp_path_factory):
     proc = subprocess.Popen(cmd, env=ENV, cwd=cwd, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "tessera serve did not start within 120 s"
-            time.sleep(0.2)
+        wait_until_serving(proc, url, 120)
         yield url
     finally:
         proc.terminate()
