@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING
 
 from tessera.errors import ConfigError
+from tessera.planner.lora_options import Adapters
 
 if TYPE_CHECKING:
     from tessera.planner.layout import Layout
     from tessera.planner.spec import ModelSpec
-    from tessera.planner.timing.partition import Stage
 
 #: bytes per frozen element: tessera builds (and loads) a model in fp32 and casts only what the
 #: optimizer holds
@@ -66,30 +65,6 @@ SCHEMES: dict[str, tuple[str, tuple[tuple[str, str], ...], dict[str, str]]] = {
         {"model.embed_tokens": "table", "model.norm": "norm", "lm_head": "head"},
     ),
 }
-
-
-@dataclass(frozen=True)
-class Adapters:
-    """The ``lora`` config section as the planner needs it (``tessera.config.schema.LoraConfig``)."""
-
-    rank: int
-    targets: tuple[str, ...] = ("all-linear",)
-    modules_to_save: tuple[str, ...] = ()
-    quantize: Literal["none", "int8", "nf4"] = "none"
-    double_quant: bool = False
-    dropout: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ConfigError(f"lora.rank={self.rank}: the planner's adapters need a rank of at least 1")
-
-    @classmethod
-    def from_config(cls, lora: Any) -> Adapters | None:
-        """From a ``LoraConfig``; None when it puts no adapters on (``rank = 0``)."""
-        if not lora.rank:
-            return None
-        return cls(int(lora.rank), tuple(lora.targets), tuple(lora.modules_to_save), lora.quantize,
-                   bool(lora.double_quant), float(lora.dropout))  # fmt: skip
 
 
 # ---- which layers ----------------------------------------------------------------------------------
@@ -259,44 +234,6 @@ def adapter_local(model: ModelSpec, layout: Layout) -> float:
     return total
 
 
-def rank_split(model: ModelSpec, layout: Layout, stage: Stage) -> tuple[float, float]:
-    """``(trainable elements, frozen bytes)`` this rank holds for ``stage`` before ZeRO shards
-    the trainable ones (ZeRO-3 shards the frozen base too: ``memory.state_bytes``)."""
-    from tessera.planner.timing.partition import block_parameters, end_parameters
-
-    ends = end_parameters(model, layout, stage)
-    if model.adapters is None:
-        return block_parameters(model, layout, stage.blocks) + sum(ends.values()), 0.0
-    saved = saved_parts(model)
-    trainable = stage.blocks * adapter_local(model, layout) + sum(v for k, v in ends.items() if k in saved)
-    frozen = block_parameters(model, layout, stage.blocks) + sum(v for k, v in ends.items() if k not in saved)
-    if model.adapters.quantize != "none":  # tensor size 1 (refused otherwise): the blocks' weights whole
-        frozen -= stage.blocks * adapted_weights_per_block(model)
-        return trainable, frozen * FROZEN_BYTES + stage.blocks * quantized_block_bytes(model)
-    return trainable, frozen * FROZEN_BYTES
-
-
-def activation_elements(model: ModelSpec, layout: Layout, element_bytes: int) -> float:
-    """Elements per token one block's adapters keep for the backward (beyond the base's): each
-    adapted layer's ``A x`` (r wide, kept by ``B``), and with dropout the dropped input (kept by
-    ``A``) and its mask (a byte an element); split as the layout splits the layer's activations.
-    Nothing under full checkpointing (the block keeps its input only)."""
-    if model.adapters is None or layout.checkpoint == "full":
-        return 0.0
-    from tessera.planner.memory import _token_hidden_split
-
-    a = model.adapters
-    grid = layout.tensor_mode != "1d" and layout.tensor > 1
-    split = _token_hidden_split(layout) if grid else 1
-    total = 0.0
-    for role, fan_in, _ in adapted_layers(model):
-        total += a.rank / split
-        if a.dropout > 0:
-            width = fan_in / (split if grid else layout.tensor if role not in COLUMN_ROLES else 1)
-            total += width * (1 + 1 / element_bytes)
-    return total / layout.sequence
-
-
 def tensor_refusal(model: ModelSpec) -> str | None:
     """Why adapters on this model cannot be split by tensor parallelism today, or None."""
     a = model.adapters
@@ -344,12 +281,11 @@ def _gib(n: float) -> str:
 
 
 __all__ = [
-    "Adapters",
+    "Adapters",  # tessera.planner.lora_options.Adapters, here beside what counts from it
     "adapted_layers",
     "describe",
     "frozen_bytes",
     "frozen_parameters",
     "quantized_bytes",
-    "rank_split",
     "trainable_parameters",
 ]

@@ -31,6 +31,7 @@ from tessera.planner.layout import Layout
 from tessera.planner.results import MemoryEstimate
 from tessera.planner.spec import ModelSpec, Workload
 from tessera.planner.timing import Stage, stages
+from tessera.planner.timing.partition import rank_split
 
 MIB = 2**20
 #: ZeRO's default chunk, the unit of a gradient reduction (``zero.chunk_mb``)
@@ -243,7 +244,7 @@ def predict_stage_memory(model: ModelSpec, layout: Layout, workload: Workload) -
     and this rank's parameter elements as :mod:`tessera.planner.timing` cuts and counts them."""
     cut = stages(model, layout.pipeline, layout.chunks)
     flights = in_flight(layout.schedule, layout.pipeline, layout.microbatches, layout.chunks, _waiting_w(model, layout))
-    whole = sum(lora.rank_split(model, layout, stage)[0] for stage in cut)
+    whole = sum(rank_split(model, layout, stage)[0] for stage in cut)
     done: dict[tuple[Stage, tuple[float, float]], MemoryEstimate] = {}
     out = []
     for stage, flight in zip(cut, flights):
@@ -267,9 +268,9 @@ def _rank_peak(
     e = workload.element_bytes
     tokens = layout.micro_batch * seq  # one micro-batch of this data replica
     blocks, has_head = stage.blocks, stage.head
-    elements, frozen = lora.rank_split(model, layout, stage)
+    elements, frozen = rank_split(model, layout, stage)
     per_block = block_activation_elements(model, layout, seq) * tokens * e * _traced_scale(model, seq)
-    per_block += lora.activation_elements(model, layout, e) * tokens * e
+    per_block += adapter_activation_elements(model, layout, e) * tokens * e
     head = head_activation_elements(model, layout) * tokens * 4 if has_head else 0.0  # logits stay fp32
     one = blocks * per_block + head  # one micro-batch's activations on this rank
     if layout.pipeline > 1:  # the stage's input received (and its gradient) and its output kept for the backward
@@ -328,7 +329,7 @@ def _transient(
     if layout.checkpoint != "none":
         whole = Layout(**{**layout.__dict__, "checkpoint": "none"})
         scale = _traced_scale(model, workload.seq_len or model.seq_len)
-        adapters = lora.activation_elements(model, whole, e)
+        adapters = adapter_activation_elements(model, whole, e)
         middle = mlp + (block_activation_elements(model, whole) * scale + adapters) * tokens * e
     return mlp + loss, middle
 
@@ -355,3 +356,22 @@ def describe(estimate: MemoryEstimate) -> str:
 
 
 __all__ = ["block_activation_elements", "describe", "in_flight", "predict_memory", "predict_stage_memory"]
+
+
+def adapter_activation_elements(model: ModelSpec, layout: Layout, element_bytes: int) -> float:
+    """Elements per token one block's adapters keep for the backward (beyond the base's): each
+    adapted layer's ``A x`` (r wide, kept by ``B``), and with dropout the dropped input (kept by
+    ``A``) and its mask (a byte an element); split as the layout splits the layer's activations.
+    Nothing under full checkpointing (the block keeps its input only)."""
+    if model.adapters is None or layout.checkpoint == "full":
+        return 0.0
+    a = model.adapters
+    grid = layout.tensor_mode != "1d" and layout.tensor > 1
+    split = _token_hidden_split(layout) if grid else 1
+    total = 0.0
+    for role, fan_in, _ in lora.adapted_layers(model):
+        total += a.rank / split
+        if a.dropout > 0:
+            width = fan_in / (split if grid else layout.tensor if role not in lora.COLUMN_ROLES else 1)
+            total += width * (1 + 1 / element_bytes)
+    return total / layout.sequence

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tessera.errors import ConfigError
-from tessera.planner.adapters import Adapters
+from tessera.planner.lora_options import Adapters
 
 Family = Literal["gpt", "llama", "vit", "bert"]
 

@@ -21,7 +21,7 @@ RANKS: dict[str, float] = {
     "parallel": 3.1,  # strategies; parallel/strategy.py reads norms from optim
     "zero": 3.2,  # a strategy built on memory's chunk store and optim's norms
     "nn": 3.2,  # the user-facing layer factories over parallel/tensor
-    "lora": 3.2,  # low-rank adapters beside frozen linear layers (and their tensor-parallel splits)
+    "lora": 3.25,  # low-rank adapters beside frozen linear layers (their tensor-parallel splits, nn's MoE experts)
     "gemini": 3.3,  # the tiered residence of zero's sharded optimizer, over memory's tiers, policies and tracer
     "checkpoint": 4.0,
     "init": 4.05,  # deferred initialisation: fills what a strategy holds through checkpoint's placing

@@ -139,3 +139,20 @@ def stage_work(model: ModelSpec, layout: Layout, workload: Workload, stage: Stag
     recompute = stage.blocks * extra
     attended = stage.blocks * attention * (3 + (layout.checkpoint != "none"))
     return StageWork(forward, backward, recompute, attended, block)
+
+
+def rank_split(model: ModelSpec, layout: Layout, stage: Stage) -> tuple[float, float]:
+    """``(trainable elements, frozen bytes)`` this rank holds for ``stage`` before ZeRO shards
+    the trainable ones (ZeRO-3 shards the frozen base too: ``memory.state_bytes``)."""
+    from tessera.planner import adapters as lora
+
+    ends = end_parameters(model, layout, stage)
+    if model.adapters is None:
+        return block_parameters(model, layout, stage.blocks) + sum(ends.values()), 0.0
+    saved = lora.saved_parts(model)
+    trainable = stage.blocks * lora.adapter_local(model, layout) + sum(v for k, v in ends.items() if k in saved)
+    frozen = block_parameters(model, layout, stage.blocks) + sum(v for k, v in ends.items() if k not in saved)
+    if model.adapters.quantize != "none":  # tensor size 1 (refused otherwise): the blocks' weights whole
+        frozen -= stage.blocks * lora.adapted_weights_per_block(model)
+        return trainable, frozen * lora.FROZEN_BYTES + stage.blocks * lora.quantized_block_bytes(model)
+    return trainable, frozen * lora.FROZEN_BYTES

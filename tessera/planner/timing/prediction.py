@@ -7,14 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from tessera.planner.adapters import rank_split
 from tessera.planner.layout import Layout
 from tessera.planner.results import TimeEstimate
 from tessera.planner.spec import Cluster, ModelSpec, Workload
 from tessera.planner.timing.bubble import pipeline_bubble
 from tessera.planner.timing.counting import Traffic
 from tessera.planner.timing.links import axis_link, base_axis
-from tessera.planner.timing.partition import Stage, StageWork, stage_work, stages
+from tessera.planner.timing.partition import Stage, StageWork, rank_split, stage_work, stages
 from tessera.planner.timing.traffic import replica_axis, stage_traffic
 
 #: host Adam rate (bytes of fp32 parameters per second and device) when the cluster gives none

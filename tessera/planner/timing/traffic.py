@@ -12,7 +12,7 @@ from tessera.planner import adapters as lora
 from tessera.planner.layout import Layout
 from tessera.planner.spec import ModelSpec, Workload
 from tessera.planner.timing.counting import BUCKET_BYTES, P2P, Book, Shape, Traffic, micro_batch_shape
-from tessera.planner.timing.partition import Stage, stages
+from tessera.planner.timing.partition import Stage, rank_split, stages
 from tessera.planner.timing.tensor import block_tensor, embedding_tensor, head_tensor
 
 
@@ -89,7 +89,7 @@ def _data_traffic(book: Book, m: ModelSpec, layout: Layout, st: Stage, sh: Shape
     axis, n = replica_axis(layout)
     if n == 1:
         return
-    grads = lora.rank_split(m, layout, st)[0] * sh.pe  # what trains (LoRA: adapters, saved modules)
+    grads = rank_split(m, layout, st)[0] * sh.pe  # what trains (LoRA: adapters, saved modules)
     chunks = zero_chunks(m, layout, st, sh.pe)
     micro = layout.accumulation
     if layout.zero == 0:
@@ -99,7 +99,7 @@ def _data_traffic(book: Book, m: ModelSpec, layout: Layout, st: Stage, sh: Shape
         book.add("reduce_scatter", axis, n, grads, chunks)
         if layout.pipeline > 1:  # every stage's optimizer holds the whole model's chunks and gathers them all
             whole = Stage(m.n_layers, True, True)
-            grads, chunks = lora.rank_split(m, layout, whole)[0] * sh.pe, zero_chunks(m, layout, whole, sh.pe)
+            grads, chunks = rank_split(m, layout, whole)[0] * sh.pe, zero_chunks(m, layout, whole, sh.pe)
         book.add("all_gather", axis, n, grads, chunks)
     else:
         book.add("reduce_scatter", axis, n, micro * grads, micro * chunks)
