@@ -120,7 +120,7 @@ BENCH_HELP: dict[str, str] = {
     "lora": "LoRA fine-tuning of a LLaMA-shaped model on 2 ranks: full fine-tuning vs LoRA on fp32, int8 and NF4 "
     "bases vs PEFT under DDP and DeepSpeed ZeRO-3: step time, peak RSS, trainable parameters; the largest model "
     "full fine-tuning, LoRA on NF4 and LoRA on NF4 with the base on disk under Gemini train under 768 MiB per "
-    "rank (about 15 min); needs the hf and peft extras, "
+    "rank (about 20 min); needs the hf and peft extras, "
     "the DeepSpeed rows the bench extra",
     "rlhf-generate": "RLHF rollouts with the paged KV cache vs the full forward per token on the same training GPT "
     "(tiny, 16+128 tokens, batch 1 and 16), and inside whole PPO steps at batch 16: tokens/s, PPO steps/s, the same "
