@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tessera-installed
 
-.PHONY: setup train test test-gpu test-hf-latest lint clean
+.PHONY: setup train test test-gpu gpu-check test-hf-latest lint clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,21 @@ test: lint
 test-gpu: $(STAMP)
 	@$(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: no GPU here: torch.cuda.is_available() is False (torch ' + torch.__version__ + ', CUDA build: ' + str(torch.version.cuda or 'none') + '). The CUDA lane needs a GPU and a CUDA build of torch.')"
 	TESSERA_TEST_DEVICE=cuda:0 $(BIN)/python -m pytest -q --cuda-lane -m cuda tests/cuda
+
+# The same lane on a GPU machine that has its own python with a CUDA torch and only this source
+# tree (no .venv, no internet): nothing is installed, the tree is imported through PYTHONPATH,
+# then a short probe of eager and compiled GPT steps in bf16 (tokens/s, MFU); the reports go to
+# $(GPU_REPORT)/. Dry run on CPU: make gpu-check GPU_PYTHON=.venv/bin/python GPU_DEVICE=cpu
+# GPU_PROBE_ARGS="--presets tiny --batch 2 --steps 2 --warmup 1"
+GPU_PYTHON ?= python3
+GPU_DEVICE ?= cuda:0
+GPU_REPORT ?= gpu-check
+GPU_PROBE_ARGS ?=
+gpu-check:
+	mkdir -p $(GPU_REPORT)
+	PYTHONPATH=. TESSERA_TEST_DEVICE=$(GPU_DEVICE) $(GPU_PYTHON) -m pytest -q -p no:cacheprovider --cuda-lane -m cuda \
+		--junitxml=$(GPU_REPORT)/lane.xml tests/cuda
+	PYTHONPATH=. $(GPU_PYTHON) benchmarks/gpu_probe.py --device $(GPU_DEVICE) --out $(GPU_REPORT)/probe.json $(GPU_PROBE_ARGS)
 
 # The tessera.hf policies against the newest transformers release, in an environment of its own
 # (not part of `make test`, which runs the pinned one): a release that breaks a policy fails here.
