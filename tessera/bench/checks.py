@@ -4,9 +4,12 @@ two generators produce the same greedy tokens."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def agreed(ok: bool, group: Any) -> bool:
@@ -16,6 +19,28 @@ def agreed(ok: bool, group: Any) -> bool:
     flag = torch.tensor([0.0 if ok else 1.0])
     comm.all_reduce(flag, group, op="max")
     return bool(flag.item() == 0.0)
+
+
+def built_sides(
+    builders: dict[str, Callable[[], T]], group: Any, required: Callable[[str], bool]
+) -> tuple[dict[str, T], dict[str, str]]:
+    """Each side built, in order, and the reasons of those left out: an anchor that fails to build
+    on any rank of ``group`` (it cannot run here) is left out on every rank, with its error (or
+    "failed on another rank"); a ``required`` side's failure (tessera's own) raises. Collective."""
+    built: dict[str, T] = {}
+    errors: dict[str, str] = {}
+    for label, build in builders.items():
+        error = None
+        try:
+            built[label] = build()
+        except Exception as exc:  # an anchor that cannot run here: its rows are absent, the reason printed
+            if required(label):
+                raise
+            error = f"{type(exc).__name__}: {exc}"
+        if not agreed(error is None, group):
+            built.pop(label, None)
+            errors[label] = error or "failed on another rank"
+    return built, errors
 
 
 def loss_gaps(losses: dict[str, list[float]], reference: str, first_rtol: float, rtol: float) -> dict[str, float]:

@@ -47,12 +47,13 @@ import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-from tessera.bench.checks import agreed, loss_gaps
+from tessera.bench.checks import built_sides, loss_gaps
 from tessera.bench.pools import rank_pool
 from tessera.bench.report import Row, print_rows, write_rows
 from tessera.bench.timing import alternate
@@ -197,19 +198,9 @@ def _rank_body(w: Workload, blocks: int, steps: int, with_deepspeed: bool) -> di
     if with_deepspeed:
         builders[DEEPSPEED] = build_deepspeed
     data = batches_of(w)
-    step_fns: dict[str, StepFn] = {}
-    errors: dict[str, str] = {}
-    for label, build in builders.items():
-        try:
-            step_fns[label] = build(w)
-            error = None
-        except Exception as exc:  # an anchor that cannot run here: its rows are absent, the reason printed
-            if label == TESSERA:
-                raise
-            error = f"{type(exc).__name__}: {exc}"
-        if not agreed(error is None, group):
-            step_fns.pop(label, None)
-            errors[label] = error or "failed on another rank"
+    step_fns, errors = built_sides(
+        {label: partial(build, w) for label, build in builders.items()}, group, lambda label: label == TESSERA
+    )
     losses: dict[str, list[float]] = {label: [] for label in step_fns}
 
     def block(label: str) -> Callable[[], None]:

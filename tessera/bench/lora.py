@@ -32,12 +32,13 @@ import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-from tessera.bench.checks import agreed
+from tessera.bench.checks import built_sides
 from tessera.bench.pools import rank_pool
 from tessera.bench.report import Row, print_rows, write_rows
 from tessera.bench.timing import alternate
@@ -200,20 +201,13 @@ def timing_body(w: Workload, labels: list[str], blocks: int, steps: int) -> dict
     ctx = _layout(w)
     group = ctx.group("world")
     data = _batches(w, ctx.rank)
-    fns: dict[str, StepFn] = {}
-    trainable: dict[str, int] = {}
-    errors: dict[str, str] = {}
-    for label in labels:
-        error = None
-        try:
-            fns[label], trainable[label] = BUILDERS[label](w, label)
-        except Exception as exc:  # an anchor that cannot run here: its rows are absent, the reason printed
-            if label.startswith("tessera"):
-                raise
-            error = f"{type(exc).__name__}: {exc}"
-        if not agreed(error is None, group):
-            fns.pop(label, None)
-            errors[label] = error or "failed on another rank"
+    built, errors = built_sides(
+        {label: partial(BUILDERS[label], w, label) for label in labels},
+        group,
+        lambda label: label.startswith("tessera"),
+    )
+    fns = {label: fn for label, (fn, _) in built.items()}
+    trainable = {label: count for label, (_, count) in built.items()}
     losses: dict[str, list[float]] = {label: [] for label in fns}
 
     def block(label: str) -> Callable[[], None]:
@@ -343,11 +337,12 @@ def largest_rows(
     under Gemini train within ``budget_mib`` per rank (``tessera bench lora --only largest``)."""
     budget = budget_mib * _MIB
     found = {label: largest(w, label, budget, most=most, pools=pools) for label in (FULL, NF4, NF4_GEMINI)}
-    rows = []
-    if found[FULL][0]:
-        for label in (NF4, NF4_GEMINI):
-            rows.append(Row(f"largest llama h{w.hidden} under {budget_mib} MiB/rank ({label})", "parameters",
-                            float(found[label][0]), f"{FULL} (largest fine-tuned whole)", float(found[FULL][0])))  # fmt: skip
+    full = float(found[FULL][0])
+    rows = [
+        Row(f"largest llama h{w.hidden} under {budget_mib} MiB/rank ({label})", "parameters", float(found[label][0]),
+            f"{FULL} (largest fine-tuned whole)", full)
+        for label in (NF4, NF4_GEMINI) if full
+    ]  # fmt: skip
     if report is not None:
         report["tried"] = {label: tried for label, (_, tried) in found.items()}
     return rows

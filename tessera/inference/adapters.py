@@ -24,8 +24,8 @@ from tessera.errors import ConfigError
 from tessera.hf.adapters import check_fit, read_adapters
 from tessera.hf.policy import replace_module
 from tessera.lora.apply import linear_layers
-from tessera.lora.layers import linear_features
-from tessera.lora.routing import AdapterRouting, RoutedLoraLinear
+from tessera.lora.layers import TESSERA_LINEARS, linear_features, split_of
+from tessera.lora.routing import SPLITS, AdapterRouting, RoutedLoraLinear
 from tessera.parallel.tensor.common import ShardSpec, local_range, local_shard
 from tessera.parallel.tensor.tp1d.functional import TENSOR
 
@@ -92,11 +92,12 @@ def install_adapters(model: nn.Module, folders: Sequence[str | Path], ctx: Paral
             base = bases[name]
             if _not_made(base):  # another pipeline stage's layer
                 continue
+            split, parts = _split_of(name, base)
             if name not in routed:
-                routed[name] = RoutedLoraLinear(base, routing, _split_of(name, base))
+                routed[name] = RoutedLoraLinear(base, routing, split)
                 replace_module(model, name, routed[name])
             layer = routed[name]
-            a, b = _local_factors(layer.split, base, state[name + _FACTORS[0]], state[name + _FACTORS[1]], ctx)
+            a, b = _local_factors(split, parts, base, state[name + _FACTORS[0]], state[name + _FACTORS[1]], ctx)
             layer.add(index, _placed(a, dtype, ctx), _placed(b, dtype, ctx), alpha / rank)
     return routing
 
@@ -106,27 +107,24 @@ def _not_made(base: nn.Module) -> bool:
     return weight is not None and weight.is_meta
 
 
-def _split_of(name: str, base: nn.Module) -> str:
-    kind = type(base).__name__
-    if kind == "ColumnParallel":
-        return "column"
-    if kind == "RowParallel":
-        return "row"
-    if isinstance(base, nn.Linear) or kind == "Conv1D":
-        return "none"
-    raise ConfigError(
-        f"{name} is a {kind}: served adapters follow nn.Linear, transformers' Conv1D and tessera.hf's 1D "
-        "tensor-parallel layers"
-    )
+def _split_of(name: str, base: nn.Module) -> tuple[str, int]:
+    """How the factors follow ``base`` (:func:`~tessera.lora.layers.split_of`), and its fused parts."""
+    split, parts = split_of(base)
+    if split not in SPLITS or type(base) in TESSERA_LINEARS:
+        raise ConfigError(
+            f"{name} is a {type(base).__name__}: served adapters follow nn.Linear, transformers' Conv1D and "
+            "tessera.hf's 1D tensor-parallel layers"
+        )
+    return split, parts
 
 
 def _local_factors(
-    split: str, base: Any, a: torch.Tensor, b: torch.Tensor, ctx: ParallelContext
+    split: str, parts: int, base: Any, a: torch.Tensor, b: torch.Tensor, ctx: ParallelContext
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's blocks of the full factors ``a [r, in]`` and ``b [out, r]`` for ``base``."""
     rank = a.shape[0]
-    if split == "column":  # B on out as the base (each fused part on its own), A whole
-        return a, local_shard(b, ShardSpec(tuple(b.shape), ((TENSOR,), ()), (base.groups, 1)), ctx)
+    if split == "column":  # B on out as the base (each of its fused ``parts`` on its own), A whole
+        return a, local_shard(b, ShardSpec(tuple(b.shape), ((TENSOR,), ()), (parts, 1)), ctx)
     if split == "row":  # A on in as the base, cut to the valid (unpadded) columns the base hands over
         group = ctx.group(TENSOR)
         _, valid = local_range(base.in_features, group.size, group.rank)

@@ -14,7 +14,7 @@ is saved, loaded and materialised shard by shard.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -33,6 +33,23 @@ from tessera.memory.search import packing_labels
 FrozenPiece = tuple[str, torch.Tensor, torch.Tensor, int, int]
 
 
+def adopting(
+    tensors: Sequence[torch.Tensor], slot_of: dict[int, tuple[Chunk, Slot]], storage: Any
+) -> Callable[[Chunk], None]:
+    """A store's ``on_close``: each of ``tensors`` packed into the chunk becomes a view into it
+    (its old storage goes), is recorded in ``slot_of`` and names ``storage`` as its owner (full
+    state dicts gather and load through it)."""
+
+    def adopt(chunk: Chunk) -> None:
+        for slot in chunk.slots:
+            tensor = tensors[slot.index]
+            set_data(tensor, chunk.view(slot))  # type: ignore[arg-type]
+            slot_of[id(tensor)] = (chunk, slot)
+            update_placement(tensor, storage=storage)
+
+    return adopt
+
+
 def frozen_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """``(key, tensor)`` for each of ``model``'s parameters that does not train and each buffer
     its module names in ``frozen_buffers``, once each (a tied one under its first key)."""
@@ -45,13 +62,15 @@ def frozen_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 class FrozenStore:
-    """``model``'s frozen tensors (:func:`frozen_tensors`) in released chunks of at most
+    """``named`` frozen tensors of ``model`` (:func:`frozen_tensors`; none: the frozen tensors
+    stay where they are, as under ZeRO stages 1 and 2) in released chunks of at most
     ``chunk_numel`` elements, each tensor now a view into its chunk (see the module docstring).
     ``storage``: the owner the tensors' placements name (it gathers and loads them);
     ``chunk_type``: the chunks' class (Gemini's tiered chunk)."""
 
     def __init__(
         self,
+        named: list[tuple[str, torch.Tensor]],
         model: nn.Module,
         ctx: ParallelContext,
         *,
@@ -59,19 +78,11 @@ class FrozenStore:
         storage: Any,
         chunk_type: type[Chunk] = Chunk,
     ) -> None:
-        named = frozen_tensors(model)
         self.tensors = [t for _, t in named]
         self.slot_of: dict[int, tuple[Chunk, Slot]] = {}
         groups = [gradient_reduction(ctx, t).group for t in self.tensors]  # experts shard as their gradients would
         labels = packing_labels(model, [k for k, _ in named], [id(g) for g in groups])
-
-        def adopt(chunk: Chunk) -> None:
-            for slot in chunk.slots:
-                tensor = self.tensors[slot.index]
-                set_data(tensor, chunk.view(slot))  # type: ignore[arg-type]
-                self.slot_of[id(tensor)] = (chunk, slot)
-                update_placement(tensor, storage=storage)
-
+        adopt = adopting(self.tensors, self.slot_of, storage)
         self.store = ChunkStore(
             named, ctx.replicas, chunk_numel=chunk_numel, bins=labels, on_close=adopt, device=ctx.device,
             groups=groups, chunk_type=chunk_type,
@@ -79,16 +90,10 @@ class FrozenStore:
         self.chunks: list[Chunk] = self.store.chunks if self.store is not None else []
         # stable tensors for checkpoints (a listing keeps them): each views its range of a shard
         self._pieces: list[list[tuple[Slot, torch.Tensor, int, int]]] = [
-            [(slot, torch.empty(0, dtype=chunk.shard.dtype, device=ctx.device), a, b) for slot, a, b in chunk.shard_pieces()]
+            [(slot, torch.empty(0, dtype=chunk.shard.dtype, device=ctx.device), a, b)
+             for slot, a, b in chunk.shard_pieces()]
             for chunk in self.chunks
         ]  # fmt: skip
-
-    @classmethod
-    def empty(cls) -> FrozenStore:
-        """No frozen chunks (the frozen tensors stay where they are: ZeRO stages 1 and 2)."""
-        store = cls.__new__(cls)
-        store.tensors, store.slot_of, store.store, store.chunks, store._pieces = [], {}, None, [], []
-        return store
 
     @property
     def stores(self) -> list[ChunkStore]:
@@ -133,4 +138,4 @@ class FrozenStore:
         return {id(t) for t in self.tensors}
 
 
-__all__ = ["FrozenPiece", "FrozenStore", "frozen_tensors"]
+__all__ = ["FrozenPiece", "FrozenStore", "adopting", "frozen_tensors"]

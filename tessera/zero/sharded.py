@@ -31,15 +31,14 @@ import torch
 from torch import nn
 
 from tessera.context import ParallelContext
-from tessera.context.placement import Placement, ZeroSlot, placement_of, set_placement, update_placement
+from tessera.context.placement import Placement, ZeroSlot, placement_of, set_placement
 from tessera.context.reduction import Reduction, gradient_reduction
 from tessera.errors import ConfigError
 from tessera.memory.chunks import Chunk, ChunkStore, Slot, WholeStateDict
-from tessera.memory.deferred import set_data
 from tessera.memory.release import ReleaseOnUse
 from tessera.memory.search import packing_labels
 from tessera.optim.wrapping import WrapsOptimizer, optimizer_entries
-from tessera.zero.frozen import FrozenStore
+from tessera.zero.frozen import FrozenStore, adopting, frozen_tensors
 from tessera.zero.gradients import GradientPipeline, GradientSink
 from tessera.zero.policy import ZeroPolicy
 
@@ -179,14 +178,7 @@ class ShardedOptimizer(GradientPipeline, WrapsOptimizer):
         sizes = [g.size for g in groups]
         self.chunk_numel = residence.plan(self, numels, self.labels, sizes)
         self._slot_of: dict[int, tuple[Chunk, Slot]] = {}
-
-        def adopt(chunk: Chunk) -> None:
-            for slot in chunk.slots:
-                p = entries[slot.index][1]
-                set_data(p, chunk.view(slot))  # the parameter now lives in its chunk; its old storage goes
-                self._slot_of[id(p)] = (chunk, slot)
-                update_placement(p, storage=self)  # full state dicts gather and load through this
-
+        adopt = adopting([p for _, p in entries], self._slot_of, self)  # the parameters now live in their chunks
         self.store = ChunkStore(
             entries, self.group, chunk_numel=self.chunk_numel, dtype=self.param_dtype,
             keep_full=not policy.release_parameters, bins=self.labels, on_close=adopt, device=ctx.device,
@@ -199,19 +191,19 @@ class ShardedOptimizer(GradientPipeline, WrapsOptimizer):
         residence.attach()
         self._start_gradients(model)
         # under parameter release the frozen tensors are sharded and released too (no gradient, master or state)
-        self.frozen = FrozenStore(
-            model, ctx, chunk_numel=self.chunk_numel, storage=self, chunk_type=residence.chunk_type
-        ) if policy.release_parameters else FrozenStore.empty()  # fmt: skip
+        frozen = frozen_tensors(model) if policy.release_parameters else []
+        self.frozen = FrozenStore(frozen, model, ctx, chunk_numel=self.chunk_numel, storage=self,
+                                  chunk_type=residence.chunk_type)  # fmt: skip
         residence.attach_frozen(self.frozen)
+        frozen_ids = {id(c) for c in self.frozen.chunks}
         self._release = (
             ReleaseOnUse(model, [self.store, *self.frozen.stores], {**self._slot_of, **self.frozen.slot_of},
-                         frozen={id(c) for c in self.frozen.chunks})
+                         frozen=frozen_ids)
             if policy.release_parameters else None
         )  # fmt: skip
         # model.state_dict() gathers released chunks and returns copies; model.load_state_dict()
         # reaches the shards and the masters
         chunk_of = {key: chunk for key, (chunk, _) in self._slot_of.items()}
-        frozen_ids = {id(c) for c in self.frozen.chunks}
 
         def loaded(chunk: Chunk) -> None:
             if id(chunk) not in frozen_ids:
