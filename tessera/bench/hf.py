@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from tessera.bench.checks import built_sides, loss_gaps
 from tessera.bench.pools import rank_pool
 from tessera.bench.report import Row, print_rows, write_rows
-from tessera.bench.timing import alternate
+from tessera.bench.timing import alternate, step_block
 from tessera.bench.zero_sides import deepspeed_available
 from tessera.errors import NotAvailableError
 
@@ -204,12 +204,7 @@ def _rank_body(w: Workload, blocks: int, steps: int, with_deepspeed: bool) -> di
     losses: dict[str, list[float]] = {label: [] for label in step_fns}
 
     def block(label: str) -> Callable[[], None]:
-        def run() -> None:
-            for _ in range(steps):
-                x, y = data[len(losses[label]) % len(data)]
-                losses[label].append(step_fns[label](x, y))
-
-        return run
+        return step_block(step_fns[label], data, losses[label], steps)
 
     for label, fn in step_fns.items():  # warm-up
         x, y = data[0]

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from tessera.bench.checks import built_sides
 from tessera.bench.pools import rank_pool
 from tessera.bench.report import Row, print_rows, write_rows
-from tessera.bench.timing import alternate
+from tessera.bench.timing import alternate, step_block
 from tessera.bench.zero_sides import deepspeed_available
 
 if TYPE_CHECKING:
@@ -211,12 +211,7 @@ def timing_body(w: Workload, labels: list[str], blocks: int, steps: int) -> dict
     losses: dict[str, list[float]] = {label: [] for label in fns}
 
     def block(label: str) -> Callable[[], None]:
-        def run() -> None:
-            for _ in range(steps):
-                x, y = data[len(losses[label]) % len(data)]
-                losses[label].append(fns[label](x, y))
-
-        return run
+        return step_block(fns[label], data, losses[label], steps)
 
     for label in fns:  # warm-up
         block(label)()

@@ -12,6 +12,23 @@ from tessera import comm
 from tessera.comm import AxisGroup
 
 
+def step_block(
+    fn: Callable[[torch.Tensor, torch.Tensor], float],
+    data: list[tuple[torch.Tensor, torch.Tensor]],
+    losses: list[float],
+    steps: int,
+) -> Callable[[], None]:
+    """A block of ``steps`` steps of one side: each takes the batch of ``data`` after the last one
+    the side took (``len(losses)``, in turn) and appends its loss to ``losses``."""
+
+    def run() -> None:
+        for _ in range(steps):
+            x, y = data[len(losses) % len(data)]
+            losses.append(fn(x, y))
+
+    return run
+
+
 def time_block(block: Callable[[], None], group: AxisGroup, steps: int) -> float:
     """Seconds per step of ``block()`` (which runs ``steps`` steps): started together after a
     barrier, the slowest rank's time."""
