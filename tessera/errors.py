@@ -39,3 +39,8 @@ class BudgetError(TesseraError, ValueError):
 
 class OffloadError(TesseraError, OSError):
     """The offload folder of the disk tier cannot be used (missing, read-only, full)."""
+
+
+class ToolchainError(TesseraError, RuntimeError):
+    """What ``torch.compile`` needs on this machine (a C++ compiler for inductor's CPU kernels,
+    triton for its GPU ones) is missing; the message names the fix and the eager switch."""

@@ -281,6 +281,8 @@ def shutdown() -> None:
         comm.barrier(comm.AxisGroup("world", tuple(range(dist.get_world_size())), dist.get_rank(), dist.group.WORLD))
         set_session(None, None)
         released = [weakref.ref(pg) for pg in comm.release_process_groups()]
+        if "torch._dynamo" in sys.modules:  # compiled code and its guards keep the groups they saw
+            torch._dynamo.reset()
         dist.destroy_process_group()
         if any(ref() is not None for ref in released):
             gc.collect()  # groups kept only by reference cycles

@@ -32,7 +32,10 @@ class _CopyForwardAllReduceBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
         ctx.group = group
-        return x.view_as(x)
+        # Compiled code copies: an output that aliases an input (here often a weight, leaving a
+        # graph before a graph break) is rebuilt as a plain view outside the compiled graph,
+        # which would lose this backward's all-reduce.
+        return x.clone() if torch.compiler.is_compiling() else x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:

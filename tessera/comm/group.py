@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -27,6 +27,7 @@ import torch.distributed.nn  # noqa: F401
 # each with the function that makes it let go; weak, so that they still die with their owners.
 _attached: weakref.WeakSet[AxisGroup] = weakref.WeakSet()
 _holders: weakref.WeakKeyDictionary[Any, Callable[[Any], None]] = weakref.WeakKeyDictionary()
+_by_key: weakref.WeakValueDictionary[str, AxisGroup] = weakref.WeakValueDictionary()
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,8 +42,12 @@ class AxisGroup:
     ranks: tuple[int, ...]
     rank: int
     pg: dist.ProcessGroup | None
+    #: names the group where no Python object can go (a compiled graph's collective ops)
+    key: str = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "key", f"{self.name}:{id(self):x}")
+        _by_key[self.key] = self
         if self.pg is not None:
             _attached.add(self)
 
@@ -66,6 +71,14 @@ class AxisGroup:
 
     def __repr__(self) -> str:
         return f"AxisGroup({self.name!r}, ranks={list(self.ranks)}, rank={self.rank})"
+
+
+def group_by_key(key: str) -> AxisGroup:
+    """The living group whose ``key`` this is."""
+    group = _by_key.get(key)
+    if group is None:
+        raise RuntimeError(f"no process group named {key!r} is alive (a compiled graph outlived its groups?)")
+    return group
 
 
 def single_rank_group(name: str, global_rank: int = 0) -> AxisGroup:

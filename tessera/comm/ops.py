@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,31 @@ _REDUCE_OPS = {
     "min": dist.ReduceOp.MIN,
     "product": dist.ReduceOp.PRODUCT,
 }
+
+# ---- while dynamo traces ----------------------------------------------------------------------
+
+# The collectives that compiled code calls instead (tessera.comm.traced registers them): each a
+# custom op that runs the eager function below at run time, ledger and watchdog included.
+_traced: dict[str, Callable[..., torch.Tensor]] = {}
+
+
+def use_while_tracing(**functions: Callable[..., torch.Tensor]) -> None:
+    """Install the functions that stand in for collectives while ``torch.compile`` traces."""
+    _traced.update(functions)
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _eager_in_compiled_code(fn: _F) -> _F:
+    """Collectives without a traced form (asynchronous ones, point to point, objects) run eagerly
+    inside compiled code: a deliberate graph break at the call (docs/compile.md)."""
+    return cast(_F, torch.compiler.disable(fn, recursive=True))
+
+
+def _tracing() -> bool:
+    return bool(_traced) and torch.compiler.is_compiling()
+
 
 # ---- group resolution ----------------------------------------------------------------------
 
@@ -92,6 +117,8 @@ def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum") -> torch.Ten
     g = resolve(group)
     if g.size == 1:
         return tensor
+    if _tracing():
+        return _traced["all_reduce"](tensor, g, op)
     base = "sum" if op == "avg" else op
     reduce_op = _reduce_op(base)
     buf = tensor if tensor.is_contiguous() else tensor.contiguous()
@@ -103,6 +130,7 @@ def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum") -> torch.Ten
     return tensor
 
 
+@_eager_in_compiled_code
 def all_reduce_async(tensor: torch.Tensor, group: Group) -> torch.futures.Future[torch.Tensor]:
     """Start a sum all-reduce of contiguous ``tensor`` in place; the future yields the tensor.
 
@@ -139,6 +167,8 @@ def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor
     g = resolve(group)
     if g.size == 1:
         return tensor
+    if _tracing():
+        return _traced["all_gather"](tensor, g, dim)
     local = tensor.movedim(dim, 0).contiguous()
     out = local.new_empty((g.size * local.shape[0], *local.shape[1:]))
     _issue("all_gather", g, _nbytes(out), lambda: dist.all_gather_single(out, local, g.pg, async_op=True))
@@ -151,6 +181,8 @@ def reduce_scatter(tensor: torch.Tensor, group: Group, dim: int = 0, op: str = "
     if g.size == 1:
         return tensor
     _check_divisible(tensor, dim, g.size, "reduce_scatter")
+    if _tracing():
+        return _traced["reduce_scatter"](tensor, g, dim, op)
     base = "sum" if op == "avg" else op
     reduce_op = _reduce_op(base)
     full = tensor.movedim(dim, 0).contiguous()
@@ -171,6 +203,8 @@ def broadcast(tensor: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:
     g = resolve(group)
     if g.size == 1:
         return tensor
+    if _tracing():
+        return _traced["broadcast"](tensor, g, src)
     buf = tensor if tensor.is_contiguous() else tensor.contiguous()
     root = g.global_rank_of(src)
     _issue("broadcast", g, _nbytes(buf), lambda: dist.broadcast(buf, root, g.pg, async_op=True))
@@ -188,6 +222,7 @@ class Pending:
         self._work, self._op, self._group, self._result = work, op, group, result
         self._entered = entered
 
+    @_eager_in_compiled_code
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             wait_for(self._work, self._op, self._group, self._entered)
@@ -195,6 +230,7 @@ class Pending:
         return self._result
 
 
+@_eager_in_compiled_code
 def broadcast_async(tensor: torch.Tensor, group: Group, src: int = 0) -> Pending:
     """Start a broadcast from member ``src`` into contiguous ``tensor`` and return at once, so
     that compute can overlap it; ``.wait()`` before reading the tensor."""
@@ -214,6 +250,8 @@ def reduce(tensor: torch.Tensor, group: Group, dst: int = 0, op: str = "sum") ->
     g = resolve(group)
     if g.size == 1:
         return tensor
+    if _tracing():
+        return _traced["reduce"](tensor, g, dst, op)
     reduce_op = _reduce_op(op)
     buf = tensor if tensor.is_contiguous() else tensor.contiguous()
     root = g.global_rank_of(dst)
@@ -231,6 +269,8 @@ def all_to_all(tensor: torch.Tensor, group: Group, scatter_dim: int, gather_dim:
     if g.size == 1:
         return tensor
     _check_divisible(tensor, scatter_dim, g.size, "all_to_all")
+    if _tracing():
+        return _traced["all_to_all"](tensor, g, scatter_dim, gather_dim)
     send = tensor.movedim(scatter_dim, 0).contiguous()
     recv = torch.empty_like(send)
     _issue("all_to_all", g, _nbytes(send), lambda: dist.all_to_all_single(recv, send, group=g.pg, async_op=True))
@@ -238,6 +278,7 @@ def all_to_all(tensor: torch.Tensor, group: Group, scatter_dim: int, gather_dim:
     return torch.cat(parts, dim=gather_dim)
 
 
+@_eager_in_compiled_code
 def barrier(group: Group) -> None:
     """Wait until every member arrives (under the watchdog)."""
     g = resolve(group)
@@ -246,6 +287,7 @@ def barrier(group: Group) -> None:
     _issue("barrier", g, 0, lambda: dist.barrier(g.pg, async_op=True))
 
 
+@_eager_in_compiled_code
 def broadcast_object(obj: Any, group: Group, src: int = 0) -> Any:
     """Send a picklable object from member ``src`` to every member and return it."""
     g = resolve(group)
@@ -294,6 +336,7 @@ def p2p_in_any_order(group: Group) -> bool:
     return g.size == 1 or is_gloo(g)
 
 
+@_eager_in_compiled_code
 def batch_p2p(ops: Sequence[P2POp], *, async_op: bool = False) -> list[Pending]:
     """Issue several sends and receives together, in order; wait for all of them unless ``async_op``.
 

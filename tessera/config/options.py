@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from tessera.compiling.options import CompileOptions
 from tessera.config.schema import Config, parse_bytes
 from tessera.engine.options import LossScaleOptions, TrainingOptions
 from tessera.gemini.options import GeminiOptions
@@ -72,4 +73,15 @@ def training_options(config: Config) -> TrainingOptions:
         seed=config.seed,
         recompute=config.activation_checkpoint.mode,
         recompute_every=config.activation_checkpoint.every,
+        compile=compile_options(config),
+    )
+
+
+def compile_options(config: Config) -> CompileOptions | None:
+    """The run's compile settings (None: eager)."""
+    c = config.compile
+    if not c.enabled:
+        return None
+    return CompileOptions(
+        scope=c.scope, backend=c.backend, mode=c.mode, fullgraph=c.fullgraph, dynamic=c.dynamic, loss=c.loss
     )

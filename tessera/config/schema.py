@@ -224,6 +224,27 @@ class ActivationCheckpointConfig:
 
 
 @dataclass(frozen=True)
+class CompileConfig:
+    enabled: bool = _field(False, "Compile the model with torch.compile (docs/compile.md); false: eager.")
+    scope: Literal["blocks", "model"] = _field(
+        "blocks",
+        "blocks: each repeated block compiled on its own, the strategies' hooks eager around it (every layout); "
+        "model: the whole forward as one region (data parallelism, ZeRO 1-2, no pipeline).",
+    )
+    backend: Literal["inductor", "aot_eager", "eager"] = _field(
+        "inductor",
+        "inductor: generated kernels (needs a C++ compiler on CPU, triton on CUDA); aot_eager: the captured "
+        "forward and backward graphs run by torch's kernels; eager: capture only.",
+    )
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = _field(
+        "default", "torch.compile's mode (inductor)."
+    )
+    fullgraph: bool = _field(False, "A graph break inside a compiled region is an error instead of a split.")
+    dynamic: bool | None = _field(False, "torch.compile's dynamic shapes (None: after a shape changes).")
+    loss: bool = _field(False, "Compile the loss function too.")
+
+
+@dataclass(frozen=True)
 class LoraConfig:
     rank: int = _field(0, "Rank of the low-rank adapters (0: no adapters, the whole model trains).")
     alpha: float = _field(16.0, "The adapters' update is scaled by alpha / rank.")
@@ -532,6 +553,7 @@ class Config:
         ActivationCheckpointConfig, "Activations recomputed in the backward pass instead of kept (tessera's blocks)."
     )
     mixed_precision: MixedPrecisionConfig = _section(MixedPrecisionConfig, "Mixed precision and loss scaling.")
+    compile: CompileConfig = _section(CompileConfig, "Compiled training: torch.compile of the model's blocks.")
     lora: LoraConfig = _section(LoraConfig, "Low-rank adapters on a frozen base (tessera.lora; docs/lora.md).")
     gradient_accumulation: int = _field(1, "Micro-batches accumulated per optimizer step.")
     clip_grad_norm: float | None = _field(None, "Clip gradients to this global norm; None: no clipping.")

@@ -27,6 +27,7 @@ from torch import nn
 
 from tessera import comm
 from tessera.amp import LossScaler, autocast
+from tessera.compiling import CompileReport
 from tessera.context import ParallelContext
 from tessera.engine.batches import loss_items, loss_shifts_labels, output_loss
 from tessera.engine.lifecycle import close_after, track, untrack
@@ -118,6 +119,7 @@ class Engine:
         #: the learning-rate scheduler given to ``initialize`` (checkpoints save and load it)
         self.lr_scheduler: Any = None
         self.init_peak_rss: int | None = None  # peak RSS of the init phase (set by initialize)
+        self.compile_report: CompileReport | None = None  # what compiling did (set by initialize)
         #: the run's config, when ``tessera.initialize`` built the engine (checkpoints record it)
         self.run_config: Any = None
         #: the model's MoE layers: their auxiliary losses enter each backward scaled as the loss is

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from tessera.compiling import CompileReport, check_toolchain, compile_blocks, compile_loss
 from tessera.context import ParallelContext
 from tessera.context.placement import placement_of
 from tessera.context.rules import Combination, check_combination
@@ -74,13 +75,19 @@ def initialize(
         to_device(model, ctx.device)
     else:
         model.to(ctx.device)
-    checkpoint_blocks(model, mode=options.recompute, every=options.recompute_every, ctx=ctx)
+    checkpoint_blocks(
+        model, mode=options.recompute, every=options.recompute_every, ctx=ctx, for_compile=options.compile is not None
+    )
+    compiled = _compile(model, ctx, options)  # around the checkpoints: dynamo traces them
+    if options.compile is not None and options.compile.loss and criterion is not None:
+        criterion = compile_loss(criterion, options.compile)
     strategy = choose_strategy(model, optimizer, criterion, ctx, options)
     if rec is not None or not (isinstance(init, str) and init == "random"):
         if rec is None:
             wants = loadable(model)
         materialise(strategy, wants, rec, init, ctx.device)
     engine = Engine(strategy, criterion, ctx=ctx, options=options)
+    engine.compile_report = compiled
     engine.lr_scheduler = lr_scheduler
     engine.init_peak_rss = peak_rss_bytes()  # the init phase's peak: process start to here
     data_group = ctx.group("data")
@@ -89,6 +96,26 @@ def initialize(
     if test_dataloader is not None:
         test_dataloader = distributed_loader(test_dataloader, data_group, options.seed)
     return engine, train_dataloader, test_dataloader, lr_scheduler
+
+
+def _compile(model: nn.Module, ctx: ParallelContext, options: TrainingOptions) -> CompileReport | None:
+    """Compile the model's blocks (or its forward) per ``options.compile``, after checking that
+    this machine can build the kernels; the report fills in as the regions first run."""
+    if options.compile is None:
+        return None
+    if options.compile.scope == "model" and (
+        ctx.size("pipeline") > 1
+        or options.gemini is not None
+        or (options.zero and options.zero.policy.release_parameters)
+    ):
+        raise ConfigError(
+            "compile.scope='model' compiles the whole forward as one region, but pipeline stages run their layers "
+            "one by one and ZeRO-3/Gemini gather parameters around each block; use compile.scope='blocks'"
+        )
+    check_toolchain(ctx.device, options.compile.backend)
+    report = CompileReport()
+    compile_blocks(model, options.compile, report)
+    return report
 
 
 def choose_strategy(

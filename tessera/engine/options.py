@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tessera.compiling.options import CompileOptions
 from tessera.gemini.options import GeminiOptions
 from tessera.parallel.pipeline.stage import PipelineOptions
 from tessera.zero.policy import ZeroOptions
@@ -33,7 +34,7 @@ class TrainingOptions:
     ``pipeline``: how to cut and run pipeline stages (used when the layout has them); ``seed``:
     the data loaders' shuffling seed; ``recompute`` and ``recompute_every``: activation
     checkpointing of the model's blocks ("none", "full", "selective"; one block in every
-    ``recompute_every``).
+    ``recompute_every``); ``compile``: how the model is compiled (None: eager).
     """
 
     precision: str = "fp32"
@@ -46,6 +47,7 @@ class TrainingOptions:
     seed: int = 42
     recompute: str = "none"
     recompute_every: int = 1
+    compile: CompileOptions | None = None
 
     def __post_init__(self) -> None:
         if self.precision == "fp16" and self.loss_scale is None:

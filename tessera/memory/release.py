@@ -23,6 +23,15 @@ from torch.utils._pytree import tree_flatten
 
 from tessera.memory.chunks import Chunk, ChunkState, ChunkStore, Slot
 
+_UNIT = "_tessera_gather_unit"
+
+
+def gather_as_unit(module: nn.Module) -> None:
+    """Gather and release the chunks of ``module``'s whole subtree together, around the module,
+    instead of around each submodule that holds parameters: a compiled block then runs as one
+    graph over whole parameters, with no hook inside it."""
+    setattr(module, _UNIT, True)
+
 
 def _recomputing() -> bool:
     """Whether a forward runs inside a backward pass (an activation checkpoint's recompute)."""
@@ -62,8 +71,12 @@ class ReleaseOnUse:
         """The per-module hooks, put in place when the first pass begins (as FSDP2's lazy
         initialisation does): a model that is built and never run, or only saved, carries
         none of them."""
+        units = [m for m in model.modules() if getattr(m, _UNIT, False)]
+        inside = {id(sub) for unit in units for sub in unit.modules() if sub is not unit}
         for module in model.modules():
-            chunks = self._chunks_of(module)
+            if id(module) in inside:
+                continue
+            chunks = self._chunks_of(module, recurse=getattr(module, _UNIT, False))
             if not chunks:
                 continue
             for c in chunks:
@@ -72,9 +85,9 @@ class ReleaseOnUse:
             module.register_forward_hook(self._make_post_forward(chunks))
         model.register_forward_hook(self._end_pass)
 
-    def _chunks_of(self, module: nn.Module) -> list[Chunk]:
+    def _chunks_of(self, module: nn.Module, recurse: bool = False) -> list[Chunk]:
         found: dict[int, Chunk] = {}
-        for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+        for t in [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]:
             where = self._slot_of.get(id(t))
             if where is not None:
                 found[id(where[0])] = where[0]

@@ -3,6 +3,7 @@ so that it runs in every tensor-parallel mode (plain torch layers when there is 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -46,8 +47,11 @@ class SelfAttention(nn.Module):
         if attend is not None:
             y = attend(q, k, v)
         else:
-            with tnn.split_region_rng():  # attention dropout on this rank's heads
-                y = tnn.attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, causal=self.causal)
+            p = self.dropout if self.training else 0.0
+            # attention dropout on this rank's heads, from the tensor rank's own stream (without
+            # dropout no stream is switched: a compiled block then has no graph break here)
+            with tnn.split_region_rng() if p > 0 else contextlib.nullcontext():
+                y = tnn.attention(q, k, v, dropout_p=p, causal=self.causal)
         return self.out_dropout(self.out(y.transpose(1, 2).reshape(batch, seq, heads * self.head_dim)))
 
 

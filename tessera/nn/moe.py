@@ -270,8 +270,16 @@ class MoE(nn.Module):
             self._dropped += dropped
         y = y.view(shape)
         if torch.is_grad_enabled() and aux.requires_grad:
-            y = _AttachAuxiliary.apply(y, aux, self)
+            y = _attach_auxiliary(y, aux, self)
         return y
+
+
+@torch.compiler.disable(recursive=True)
+def _attach_auxiliary(y: torch.Tensor, aux: torch.Tensor, owner: MoE) -> torch.Tensor:
+    # Eager even inside a compiled block (a deliberate graph break, docs/compile.md): the backward
+    # reads the owner's aux_grad_scale when it runs, which the engine sets after the forward; a
+    # compiled backward would keep the value seen while tracing.
+    return _AttachAuxiliary.apply(y, aux, owner)  # type: ignore[no-any-return]
 
 
 def dispatch(

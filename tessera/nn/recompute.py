@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from tessera.context import ParallelContext
 from tessera.context.rng import RNGStreams
@@ -156,9 +156,24 @@ class _SameStreams:
             self.streams.restore(after)
 
 
-def _install(module: nn.Module, mode: str, streams: RNGStreams | None) -> None:
+def _keep_matmuls_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _compiled_selective_contexts() -> tuple[Any, Any]:
+    """Selective checkpointing in the form torch.compile traces: torch's own policy contexts,
+    keeping the same matmul outputs as :class:`_KeepMatmuls` (inside compiled code the partitioner
+    follows the policy; tessera's dispatch modes would stop dynamo from compiling the block)."""
+    return create_selective_checkpoint_contexts(_keep_matmuls_policy)
+
+
+def _install(module: nn.Module, mode: str, streams: RNGStreams | None, for_compile: bool = False) -> None:
     original = module.forward
-    context_fn: Any = _selective_contexts if mode == "selective" else None
+    context_fn: Any = None
+    if mode == "selective":
+        context_fn = _compiled_selective_contexts if for_compile else _selective_contexts
+    if for_compile:  # dynamo traces the checkpoint; torch replays its own random state in the recompute
+        streams = None
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -166,7 +181,8 @@ def _install(module: nn.Module, mode: str, streams: RNGStreams | None) -> None:
         options: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": True}
         if context_fn is not None:
             options["context_fn"] = context_fn
-        return checkpoint(_SameStreams(original, streams), *args, **options, **kwargs)
+        fn = original if streams is None else _SameStreams(original, streams)
+        return checkpoint(fn, *args, **options, **kwargs)
 
     module.forward = forward  # type: ignore[method-assign]
     module._tessera_recompute = mode  # type: ignore[assignment]
@@ -178,11 +194,16 @@ def checkpoint_blocks(
     mode: str = "full",
     every: int = 1,
     ctx: ParallelContext | None = None,
+    for_compile: bool = False,
 ) -> list[str]:
     """Recompute the activations of ``model``'s blocks (the submodules for which
     ``predicate(name, module)`` holds; by default those marked with :func:`mark_block`), one
     in every ``every`` of them (the first, then every ``every``-th), in ``mode`` "full" or
-    "selective" ("none" does nothing). Returns the names of the blocks it set up."""
+    "selective" ("none" does nothing). Returns the names of the blocks it set up.
+
+    ``for_compile``: the blocks are compiled next, the checkpoint inside their compiled code
+    (selective through torch's checkpoint policy; tessera's per-axis random streams are not
+    replayed, torch's generators are)."""
     if mode not in MODES:
         raise ValueError(f"activation checkpoint mode {mode!r} is not one of {', '.join(MODES)}")
     if every < 1:
@@ -199,7 +220,7 @@ def checkpoint_blocks(
             continue
         if getattr(module, "_tessera_recompute", None) is not None:
             raise ValueError(f"{name} is already checkpointed ({module._tessera_recompute})")
-        _install(module, mode, streams)
+        _install(module, mode, streams, for_compile)
         done.append(name)
     return done
 

@@ -58,6 +58,7 @@ class GoldenRun:
     expert: int = 1  # > 1: the MoE GPT, its experts over this many ranks
     gemini: str = ""  # "", or one of GEMINI's placements
     recompute: str = "none"
+    compile: str = ""  # "", or the torch.compile backend of a compiled run (its blocks compiled)
 
     def config(self, offload_dir: str | None = None) -> dict[str, Any]:
         pipeline = {"size": self.pipeline, "schedule": self.schedule, "microbatches": self.microbatches,
@@ -78,6 +79,8 @@ class GoldenRun:
             "clip_grad_norm": self.clip,
             "activation_checkpoint": {"mode": self.recompute},
         }
+        if self.compile:
+            config["compile"] = {"enabled": True, "backend": self.compile}
         if self.gemini:
             disk = GEMINI[self.gemini].get("offload_dir", False)
             config["gemini"] = {**GEMINI[self.gemini], "offload_dir": offload_dir if disk else None}
@@ -106,7 +109,7 @@ class GoldenRun:
                 "optimizer": "AdamW(lr=3e-3, eps=1e-6)", "dataset": DATASET}  # fmt: skip
 
 
-LATER_FIELDS = {"sequence", "sequence_mode", "expert", "gemini", "recompute"}
+LATER_FIELDS = {"sequence", "sequence_mode", "expert", "gemini", "recompute", "compile"}
 # Gemini's placements: every part on the device; the auto policy with a device budget that sends
 # parts to host memory; and with a host budget too, through the disk tier
 GEMINI: dict[str, dict[str, Any]] = {
@@ -117,6 +120,8 @@ GEMINI: dict[str, dict[str, Any]] = {
         "chunk_mb": ZERO_BUCKET_MB,
     },
     "auto-host": {"placement": "auto", "device_budget": 150_000, "chunk_mb": ZERO_BUCKET_MB},
+    # for two ranks of two-sample micro-batches (the compiled runs): room for their activations
+    "auto-host-2x": {"placement": "auto", "device_budget": 400_000, "chunk_mb": ZERO_BUCKET_MB},
     "auto-disk": {
         "placement": "auto",
         "device_budget": 150_000,

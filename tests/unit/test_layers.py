@@ -23,6 +23,7 @@ RANKS: dict[str, float] = {
     "nn": 3.2,  # the user-facing layer factories over parallel/tensor
     "lora": 3.25,  # low-rank adapters beside frozen linear layers (their tensor-parallel splits, nn's MoE experts)
     "gemini": 3.3,  # the tiered residence of zero's sharded optimizer, over memory's tiers, policies and tracer
+    "compiling": 3.4,  # regional torch.compile of a model's blocks, its report and the toolchain check
     "checkpoint": 4.0,
     "init": 4.05,  # deferred initialisation: fills what a strategy holds through checkpoint's placing
     "engine": 4.1,

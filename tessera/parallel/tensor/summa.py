@@ -86,10 +86,14 @@ class _Block:
             block = block.t()  # a transposed weight goes as stored
         block = block.contiguous()
         buf = block if group.size == 1 or group.rank == src else torch.empty_like(block)
-        self.pending = comm.broadcast_async(buf, group, src)
+        self.pending: comm.Pending | None = None
+        if torch.compiler.is_compiling():  # a compiled graph's broadcast op (no overlap, no graph break)
+            self.received = comm.broadcast(buf, group, src)
+        else:
+            self.pending = comm.broadcast_async(buf, group, src)
 
     def get(self) -> torch.Tensor:
-        out = self.pending.wait()
+        out = self.pending.wait() if self.pending is not None else self.received
         return out.t() if self.transposed else out
 
 
