@@ -48,7 +48,7 @@ def test_the_gpt_formula_agrees_with_flopcountermode_and_the_difference_is_expla
     elementwise = sum(p.numel() for name, p in model.named_parameters() if "pos_emb" not in name and p.dim() < 2)
     layers, width = TINY["n_layers"], TINY["d_model"]
     assert formula - counted == 6 * elementwise - 2 * layers * width * seq
-    assert abs(formula - counted) / counted < 0.03  # the margin at this size: 2.2%
+    assert abs(formula - counted) / counted < 0.02  # the margin at this size: 0.7%
     assert all(p.grad is None for p in model.parameters()), "counting leaves .grad alone"
 
 
