@@ -6,8 +6,10 @@ utilisation against the device's peak, and the cold compile time.
 A probe for the compile issue's GPU point, run where a GPU is lent (it runs on CPU too, slowly,
 with ``--device cpu --presets tiny``). One process, the engine's own step (``engine.train_batch``),
 ``torch.compile`` applied to each transformer block (regional compilation) or not.
-FLOPs per token: ``6 N + 12 L d T`` (N parameters without the embeddings' lookups, L blocks,
-d width, T sequence length: the PaLM paper's count with causal attention not halved).
+FLOPs per token: ``GPT.flops_per_token``, ``6 N + 12 L d T`` (N parameters without the position
+embedding's lookup, the tied token embedding counted once as the head's product, L blocks, d
+width, T sequence length: the PaLM paper's count with causal attention not halved); the peak:
+``tessera.engine.peak.device_peak`` (the data sheet's dense bf16 figure, or measured).
 """
 
 from __future__ import annotations
@@ -20,21 +22,10 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import tessera
+from tessera.engine.flops import mfu
+from tessera.engine.peak import device_peak
 from tessera.models import NextTokenLoss, gpt
 from tessera.testing import use_layout
-
-# dense bf16 peak of known devices, TFLOP/s (vendors' data sheets, without sparsity)
-PEAKS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L40S": 362.1}
-
-
-def peak_flops(device: torch.device) -> tuple[float | None, str]:
-    if device.type != "cuda":
-        return None, "cpu"
-    name = torch.cuda.get_device_name(device)
-    for key, value in PEAKS.items():
-        if key in name:
-            return value * 1e12, name
-    return None, name
 
 
 def run(preset: str, compiled: bool, device: torch.device, batch: int, steps: int, warmup: int) -> dict:
@@ -47,8 +38,7 @@ def run(preset: str, compiled: bool, device: torch.device, batch: int, steps: in
         for block in model.blocks:
             block.compile()
     n_params = sum(p.numel() for p in model.parameters())
-    embed = model.tok_emb.weight.numel() + model.pos_emb.weight.numel()
-    flops_per_token = 6 * (n_params - embed) + 12 * cfg.n_layers * cfg.d_model * seq
+    flops_per_token = model.flops_per_token(seq)
     fused = {"fused": True} if device.type == "cuda" else {}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **fused)
     tokens = torch.randint(0, cfg.vocab_size, (batch * (steps + warmup), seq + 1))
@@ -67,12 +57,15 @@ def run(preset: str, compiled: bool, device: torch.device, batch: int, steps: in
     for _ in range(steps):
         last = float(engine.train_batch(it))  # float() waits for the step
     seconds = (time.perf_counter() - start) / steps
-    peak, name = peak_flops(device)
+    peak = device_peak(device, "bf16")
     tokens_per_s = batch * seq / seconds
     return {
         "preset": preset,
         "compiled": compiled,
-        "device": name,
+        "device": peak.device,
+        "peak_tflops": round(peak.flops_per_s / 1e12, 2),
+        "peak_source": peak.source,
+        "flops_per_token": flops_per_token,
         "params": n_params,
         "batch": batch,
         "seq": seq,
@@ -80,7 +73,7 @@ def run(preset: str, compiled: bool, device: torch.device, batch: int, steps: in
         "step_s": round(seconds, 5),
         "tokens_per_s": round(tokens_per_s),
         "model_tflops_per_s": round(tokens_per_s * flops_per_token / 1e12, 2),
-        "mfu": round(tokens_per_s * flops_per_token / peak, 4) if peak else None,
+        "mfu": round(mfu(tokens_per_s, flops_per_token, 1, peak.flops_per_s), 4),
         "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
         "loss_first_last": [round(first, 4), round(last, 4)],
     }

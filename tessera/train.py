@@ -4,7 +4,7 @@ standard library's sources or the user's text files (``data.name = "text_files"`
 
 Every rank runs :func:`main` (``tessera train`` starts them through torchrun). Rank 0 writes the
 run folder: ``config.json`` (the resolved config), ``metrics.jsonl`` (one line per step),
-``loss.png`` (the loss curve), ``experts.png`` for a mixture-of-experts model (each layer's
+``loss.png`` (the loss curve; below it tokens/s and MFU), ``experts.png`` for a mixture-of-experts model (each layer's
 expert load over the steps; the counts are in ``metrics.jsonl``) and the final weights: ``model.safetensors`` for the reference
 model, an ``hf/`` folder that ``transformers`` loads for a Hugging Face one; and ``memory.json``
 under ZeRO and Gemini (their chunks and bytes per tier, ``Strategy.report``).
@@ -45,7 +45,10 @@ from tessera.engine import (
     RoutingHook,
     ThroughputHook,
     Trainer,
+    UtilisationHook,
 )
+from tessera.engine.flops import ReportsFlops
+from tessera.engine.utilisation import shared_peak
 from tessera.errors import ConfigError
 from tessera.files import atomic_path, write_atomically
 from tessera.hf.adapters import merged_state_dict, save_adapters
@@ -80,19 +83,27 @@ def write_run_config(cfg: Config, world_size: int, path: Path) -> None:
 
 
 def plot_losses(history: list[dict[str, Any]], path: Path, unit: str = "byte") -> None:
-    """Write the training (and evaluation) loss curve as a PNG (``unit``: what one target is)."""
+    """Write the training (and evaluation) loss curve as a PNG (``unit``: what one target is);
+    below it, when the steps have them, tokens/s and MFU over the steps (from the second step:
+    the first one's warm-up would flatten the rest)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    speed = [m for m in history[1:] if "tokens_per_s" in m]
+    if speed:
+        fig, (ax, lower) = plt.subplots(2, 1, figsize=(7, 6), dpi=110, height_ratios=(2, 1), sharex=True)
+        plot_throughput(lower, speed)
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     steps = [m["step"] for m in history]
     ax.plot(steps, [m["loss"] for m in history], label="train loss", linewidth=1.2)
     evals = [(m["step"], m["eval_loss"]) for m in history if "eval_loss" in m]
     if evals:
         ax.plot(*zip(*evals), "o-", label="eval loss", markersize=4)
-    ax.set_xlabel("optimizer step")
+    if not speed:  # else the panel below says it
+        ax.set_xlabel("optimizer step")
     ax.set_ylabel(f"cross-entropy (nats per {unit})")
     ax.set_title("tessera train")
     ax.grid(alpha=0.3)
@@ -101,6 +112,22 @@ def plot_losses(history: list[dict[str, Any]], path: Path, unit: str = "byte") -
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")
     plt.close(fig)
+
+
+def plot_throughput(ax: Any, steps: list[dict[str, Any]]) -> None:
+    """Tokens/s of the global batch over ``steps`` on ``ax``, with MFU (per rank, in percent) as
+    a second scale at its right when the steps have it: MFU is tokens/s times a constant (FLOPs
+    per token over the world size and the peak), so one curve reads on both."""
+    at = [m["step"] for m in steps]
+    ax.plot(at, [m["tokens_per_s"] for m in steps], color="tab:green", linewidth=1.0)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("tokens/s (global batch)", fontsize=9)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    if all("mfu" in m and m["tokens_per_s"] > 0 for m in steps):
+        per_token_s = steps[0]["mfu"] / steps[0]["tokens_per_s"] * 100  # percent of MFU per token/s
+        right = ax.secondary_yaxis("right", functions=(lambda v: v * per_token_s, lambda v: v / per_token_s))
+        right.set_ylabel("MFU per rank (%)", fontsize=9)
 
 
 # ---- data ------------------------------------------------------------------------------------
@@ -256,6 +283,10 @@ def run(cfg: Config, run_dir: Path) -> list[dict[str, Any]]:
         ))  # fmt: skip
         if lora.quantize != "none":
             quantize(recipe.model, lora.quantize, double_quant=lora.double_quant)
+    # FLOPs per token, for MFU: from the whole model before initialize (a pipeline stage keeps its
+    # layers only), after any adapters (a frozen base costs 4 FLOPs a parameter, not 6); tessera's
+    # GPT knows them, a Hugging Face model is not counted (a forward and backward of it all first)
+    per_token = recipe.model.flops_per_token(seq_len) if isinstance(recipe.model, ReportsFlops) else None
     optimizer = build_optimizer(recipe.model, cfg.optimizer)
     pipeline = cfg.parallel.pipeline
     per_step = (pipeline.microbatches or pipeline.size) if pipeline.size > 1 else cfg.gradient_accumulation
@@ -266,6 +297,8 @@ def run(cfg: Config, run_dir: Path) -> list[dict[str, Any]]:
         recipe.model, optimizer, recipe.criterion, train_dl, eval_dl, scheduler, init=cfg.model.init
     )
     assert train_loader is not None
+    # one rank's peak (the data sheet's, cached or measured on rank 0 now; collective)
+    utilisation = UtilisationHook(per_token, shared_peak(ctx, engine.precision)) if per_token is not None else None
     if ctx.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_run_config(cfg, ctx.world_size, run_dir / "config.json")
@@ -276,9 +309,18 @@ def run(cfg: Config, run_dir: Path) -> list[dict[str, Any]]:
             file=sys.stderr,
             flush=True,
         )
+        if utilisation is not None:
+            assert utilisation.peak is not None
+            print(
+                f"tessera train: {utilisation.flops_per_token / 1e6:.4g} MFLOPs per token; "
+                f"peak per rank {utilisation.peak.describe()}",
+                file=sys.stderr,
+                flush=True,
+            )
     hooks = [
         LRSchedulerHook(scheduler),
         ThroughputHook(tokens_per_sample=seq_len),
+        *([utilisation] if utilisation is not None else []),
         MemoryHook(every=cfg.trainer.log_every),
         RoutingHook(plot=run_dir / "experts.png" if ctx.rank == 0 else None),
         EvalHook(eval_loader, every=cfg.trainer.eval_every, max_batches=cfg.trainer.eval_batches),

@@ -30,6 +30,27 @@ def _smoke_all_reduce() -> float:
     return float(t[0])
 
 
+def _peak_lines() -> list[str]:
+    """One rank's peak, the denominator of the trainer's MFU: a CPU rank's fp32 matmul rate at a
+    rank's default intra-op threads (measured once, then read from the cache), and the first
+    GPU's bf16 peak (its data sheet's, or measured)."""
+    import torch
+
+    from tessera.config import LaunchConfig
+    from tessera.engine.peak import cache_file, device_peak
+
+    threads, rank_threads = torch.get_num_threads(), LaunchConfig().intra_op_threads or torch.get_num_threads()
+    torch.set_num_threads(rank_threads)
+    try:
+        cpu = device_peak("cpu", "fp32")
+    finally:
+        torch.set_num_threads(threads)
+    lines = [f"peak        cpu rank: {cpu.describe()}, kept in {cache_file()}"]
+    if torch.cuda.is_available():
+        lines.append(f"peak        cuda:0: {device_peak('cuda:0', 'bf16').describe()}")
+    return lines
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
@@ -55,6 +76,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     else:
         print("devices     cpu only (no CUDA device visible)")
     print(f"cpus        {os.cpu_count()}")
+    for line in _peak_lines():
+        print(line)
     from tessera.testing import RankPool
 
     pool = RankPool(2)

@@ -14,6 +14,7 @@ from tessera.engine.hooks import (
 )
 from tessera.engine.initialize import initialize
 from tessera.engine.trainer import Trainer
+from tessera.engine.utilisation import UtilisationHook
 
 __all__ = [
     "CheckpointHook",
@@ -27,5 +28,6 @@ __all__ = [
     "RoutingHook",
     "ThroughputHook",
     "Trainer",
+    "UtilisationHook",
     "initialize",
 ]

@@ -379,6 +379,7 @@ class LogHook(Hook):
                 "lr",
                 "samples_per_s",
                 "tokens_per_s",
+                "mfu",
                 "peak_rss_bytes",
                 "moe_imbalance",
             )

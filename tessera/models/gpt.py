@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
 
 from tessera import nn as tnn
 from tessera.context.placement import full_numel
+from tessera.engine.flops import matmul_parameters, transformer_flops_per_token
 from tessera.errors import ConfigError
 from tessera.models.transformer import Block, StagePart, gpt2_rule, reset_in_full
 
@@ -195,6 +196,19 @@ class GPT(nn.Module):
         """Number of parameter elements of the full model, counting a tied (shared) weight once."""
         unique = {id(p): p for p in self.parameters()}
         return sum(full_numel(p) for p in unique.values())
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token (forward and backward) at sequences of ``seq_len`` tokens
+        (default ``max_seq_len``): ``6 N + 4 F + 12 L d s`` (:func:`tessera.engine.flops.
+        transformer_flops_per_token`). N: every trained parameter but the position embedding (a
+        lookup) and, untied, the token embedding (a lookup too; tied, it is the head's product
+        and counts once); MoE experts at ``moe_top_k / num_experts``; F: frozen ones (a LoRA base)."""
+        tables = [self.pos_emb] if self.config.tie_weights else [self.pos_emb, self.tok_emb]
+        counts = matmul_parameters(self, [cast(torch.Tensor, table.weight) for table in tables])
+        seq = seq_len if seq_len is not None else self.config.max_seq_len
+        return transformer_flops_per_token(
+            counts.trained, self.config.n_layers, self.config.d_model, seq, frozen_params=counts.frozen
+        )
 
 
 def pipeline_layer_count(preset: str = "tiny", overrides: dict[str, Any] | None = None) -> int:

@@ -178,6 +178,7 @@ def checked_the_installation(ran: Ran) -> None:
     out = ran.out
     assert "torch       2." in out.stdout
     assert "gloo" in out.stdout
+    assert re.search(r"peak        cpu rank: [\d.]+ GFLOP/s fp32 \(.*, 1 thread; (measured|cached)\)", out.stdout)
     assert "all-reduce  2 ranks (gloo): ok" in out.stdout
 
 

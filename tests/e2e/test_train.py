@@ -76,12 +76,14 @@ SHORT = ["--set", "trainer.eval_every=3", "--set", "trainer.log_every=3", "--set
 
 
 def test_a_short_run_writes_the_run_folder_and_resumes_from_its_checkpoint_bitwise(tmp_path):
-    """A short run writes the four artefacts of a run folder (and, checkpointing, its checkpoints).
+    """A short run writes the four artefacts of a run folder (and, checkpointing, its checkpoints)
+    and reports FLOPs per token and MFU against a peak it measures once (the resumed run reads it).
     `tessera train --resume` continues it from its sharded checkpoint: 6 steps straight, and 3
     steps resumed from the checkpoint at step 3, end with the same weights, bit for bit."""
     first, second = tmp_path / "first", tmp_path / "second"
+    cache = {"XDG_CACHE_HOME": str(tmp_path / "cache")}  # the peak: measured by the first run, read by the second
     out = run([*tessera_cmd(), "train", "--nproc", "2", "--output-dir", str(first), "--set", "trainer.steps=6", *SHORT],
-              timeout=300)  # fmt: skip
+              env=cache, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     assert sorted(p.name for p in first.iterdir()) == [
         "checkpoints",
@@ -95,6 +97,9 @@ def test_a_short_run_writes_the_run_folder_and_resumes_from_its_checkpoint_bitwi
     lines = [json.loads(line) for line in (first / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines if "final" not in m] == [1, 2, 3, 4, 5, 6]
     assert "eval_loss" in lines[2] and "eval_loss" in lines[-1]
+    per_token = gpt("tiny").flops_per_token(128)
+    assert all(m["flops_per_token"] == per_token and m["mfu"] > 0 for m in lines if "final" not in m)
+    assert "fp32 (" in out.stderr and "1 thread; measured)" in out.stderr and " mfu=" in out.stderr
     assert (first / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     weights = load_weights(first / "model.safetensors")
     assert weights.keys() == gpt("tiny").state_dict().keys()
@@ -102,9 +107,10 @@ def test_a_short_run_writes_the_run_folder_and_resumes_from_its_checkpoint_bitwi
     assert "loss" in out.stderr and "wrote" in out.stderr
     assert sorted(p.name for p in (first / "checkpoints").iterdir()) == ["step-00000003", "step-00000006"]
     out = run([*tessera_cmd(), "train", "--nproc", "2", "--resume", str(first / "checkpoints" / "step-00000003"),
-               "--output-dir", str(second), "--set", "trainer.steps=6", *SHORT], timeout=300)  # fmt: skip
+               "--output-dir", str(second), "--set", "trainer.steps=6", *SHORT], env=cache, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     assert "resumed from" in out.stderr
+    assert "1 thread; cached)" in out.stderr
     lines = [json.loads(line) for line in (second / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines if "final" not in m] == [4, 5, 6]
     expected, got = load_weights(first / "model.safetensors"), load_weights(second / "model.safetensors")
