@@ -36,6 +36,7 @@ from tessera.config import Config, DataConfig, OptimizerConfig, default_run_dir
 from tessera.data import ByteSequences, load_byte_corpus, split_sequences
 from tessera.engine import (
     CheckpointHook,
+    CompileReportHook,
     EvalHook,
     Hook,
     LogHook,
@@ -329,6 +330,7 @@ def run(cfg: Config, run_dir: Path) -> list[dict[str, Any]]:
         *([] if cfg.lora.rank and cfg.model.hf_path else [final_weights(recipe, cfg, run_dir)]),
         LogHook(every=cfg.trainer.log_every, jsonl=run_dir / "metrics.jsonl"),
         MemoryReportHook(run_dir / "memory.json" if ctx.rank == 0 else None),
+        *([CompileReportHook(run_dir / "compile.json" if ctx.rank == 0 else None)] if engine.compile_report else []),
         ProgressBarHook(enabled=cfg.trainer.progress_bar),
     ]
     trainer = Trainer(

@@ -44,6 +44,17 @@ class RegionStats:
         }
 
 
+def short(reason: str) -> str:
+    """A dynamo reason in one line: its title and its explanation (the hints and links dropped)."""
+    lines = [line.strip() for line in reason.splitlines() if line.strip()]
+    if not lines:
+        return reason
+    explanation = next(
+        (line.removeprefix("Explanation:").strip() for line in lines if line.startswith("Explanation:")), ""
+    )
+    return f"{lines[0]}: {explanation}" if explanation else lines[0]
+
+
 def _dynamo_state() -> tuple[Counter[str], set[int]]:
     """Dynamo's graph-break counts, and its compilation records (a bounded queue: the records
     new since are those not seen before, not those past the old length)."""
@@ -81,7 +92,7 @@ class CompileReport:
             stats.cache_hits += (m.inductor_fx_local_cache_hit_count or 0) + (m.aotautograd_local_cache_hit_count or 0)
         if first and new and stats.graphs == 0:
             stats.eager = True
-            why = "; ".join([*stats.failures, *stats.breaks]) or "dynamo captured no graph"
+            why = "; ".join(short(r) for r in [*stats.failures, *stats.breaks]) or "dynamo captured no graph"
             warnings.warn(f"compiled region {name} runs eagerly: {why}", stacklevel=2)
 
     @property
@@ -99,13 +110,18 @@ class CompileReport:
         """A short text report: one line per region, then each break and recompilation reason."""
         out = []
         for stats in self.regions.values():
-            state = "eager (fell back)" if stats.eager else f"{stats.graphs} graph(s)"
+            if stats.eager:
+                state = "eager (fell back)"
+            elif stats.graphs == 0 and not stats.breaks and not stats.failures:
+                state = "the graph of an earlier region of its shape"
+            else:
+                state = f"{stats.graphs} graph(s)"
             out.append(
                 f"{stats.name}: {state}, {sum(stats.breaks.values())} graph break(s), "
                 f"{len(stats.recompiles)} recompilation(s), compiled in {stats.compile_s:.2f} s"
                 + (f" ({stats.cache_hits} from the cache)" if stats.cache_hits else "")
             )
-            out += [f"  break x{n}: {reason}" for reason, n in stats.breaks.items()]
-            out += [f"  recompiled: {reason}" for reason in stats.recompiles]
-            out += [f"  not compiled: {reason}" for reason in stats.failures]
+            out += [f"  break x{n}: {short(reason)}" for reason, n in stats.breaks.items()]
+            out += [f"  recompiled: {short(reason)}" for reason in stats.recompiles]
+            out += [f"  not compiled: {short(reason)}" for reason in stats.failures]
         return out

@@ -1,5 +1,6 @@
 """Layer 4: ``initialize``, ``Engine``, ``Trainer`` and its hooks."""
 
+from tessera.engine.compiled import CompileReportHook
 from tessera.engine.engine import Engine
 from tessera.engine.hooks import (
     CheckpointHook,
@@ -18,6 +19,7 @@ from tessera.engine.utilisation import UtilisationHook
 
 __all__ = [
     "CheckpointHook",
+    "CompileReportHook",
     "Engine",
     "EvalHook",
     "Hook",

@@ -175,7 +175,9 @@ class GPT(nn.Module):
         batch, seq = idx.shape  # this rank's tokens under sequence parallelism: global positions
         if positions is None:
             positions = tnn.positions(seq, idx.device).expand(batch, seq)
-        if int(positions.max()) >= self.config.max_seq_len:
+        # reading the largest position would break a compiled graph: there the embedding's own
+        # index check fails instead
+        if not torch.compiler.is_compiling() and int(positions.max()) >= self.config.max_seq_len:
             raise ValueError(
                 f"sequence length {int(positions.max()) + 1} exceeds max_seq_len={self.config.max_seq_len}"
             )
