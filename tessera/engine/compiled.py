@@ -21,7 +21,7 @@ class CompileReportHook(Hook):
     def __init__(self, path: Path | None = None, printer: Callable[[str], None] | None = None) -> None:
         self.path = path
         self.printer = printer or print_beside_bars
-        self._said: dict[str, object] = {}
+        self._said: dict[str, tuple[int, dict[str, int], int]] = {}
 
     def after_step(self, trainer: TrainingLoop) -> None:
         report = trainer.engine.compile_report
