@@ -158,6 +158,10 @@ RUNS: dict[str, GoldenRun] = {
     "ep2-dp4": GoldenRun(4, data=4, expert=2),
     "recompute-full-dp4": GoldenRun(4, data=4, recompute="full"),
     "recompute-selective-dp4": GoldenRun(4, data=4, recompute="selective"),
+    # compiled blocks beside their eager runs (dp4, tp1d-tp2-dp2): the captured graphs run by torch's
+    # own kernels, whose numerics the classes pin (inductor's generated kernels follow the CPU)
+    "dp4-compiled": GoldenRun(4, data=4, compile="aot_eager"),
+    "tp1d-tp2-dp2-compiled": GoldenRun(4, data=2, tensor=2, compile="aot_eager"),
 }
 
 
@@ -175,6 +179,8 @@ def train_golden(name: str) -> tuple[str, dict[str, Any]]:
     """Run ``RUNS[name]`` on every rank of the pool; every rank returns its numerics class and
     the numbers it saw."""
     run = RUNS[name]
+    if run.compile:
+        torch._dynamo.reset()  # a pool's ranks outlive a run: compile this one from empty caches
     with tempfile.TemporaryDirectory() as offload:
         use_layout(data=run.data, pipeline=run.pipeline, tensor=run.tensor, mode=run.mode, depth=run.depth,
                    sequence=run.sequence, expert=run.expert, config=run.config(offload))  # fmt: skip
