@@ -28,25 +28,26 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest -q
 
-# The CUDA lane (tests/cuda, marker `cuda`), which `make test` does not collect. It needs a GPU
-# and a CUDA build of torch (docs/testing.md also shows how to dry-run its test code on CPU).
-test-gpu: $(STAMP)
-	@$(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: no GPU here: torch.cuda.is_available() is False (torch ' + torch.__version__ + ', CUDA build: ' + str(torch.version.cuda or 'none') + '). The CUDA lane needs a GPU and a CUDA build of torch.')"
-	TESSERA_TEST_DEVICE=cuda:0 $(BIN)/python -m pytest -q --cuda-lane -m cuda tests/cuda
-
-# The same lane on a GPU machine that has its own python with a CUDA torch and only this source
-# tree (no .venv, no internet): nothing is installed, the tree is imported through PYTHONPATH,
-# then a short probe of eager and compiled GPT steps in bf16 (tokens/s, MFU); the reports go to
-# $(GPU_REPORT)/. Dry run on CPU: make gpu-check GPU_PYTHON=.venv/bin/python GPU_DEVICE=cpu
-# GPU_PROBE_ARGS="--presets tiny --batch 2 --steps 2 --warmup 1"
+# The CUDA lane (tests/cuda, marker `cuda`), which `make test` does not collect. It runs on a GPU
+# machine's own python with a CUDA torch (GPU_PYTHON, default python3) over this source tree through
+# PYTHONPATH=., installing nothing and needing no .venv (a bare GPU machine may have no internet).
+# Without a GPU, pytest stops at once naming the reason (tests/conftest.py). Dry run of the lane's
+# test code on CPU with any python that has torch and pytest:
+# make test-gpu GPU_PYTHON=.venv/bin/python GPU_DEVICE=cpu
 GPU_PYTHON ?= python3
 GPU_DEVICE ?= cuda:0
+GPU_LANE = PYTHONPATH=. TESSERA_TEST_DEVICE=$(GPU_DEVICE) $(GPU_PYTHON) -m pytest -q -p no:cacheprovider --cuda-lane -m cuda
+test-gpu:
+	$(GPU_LANE) tests/cuda
+
+# The lane as test-gpu runs it, then a short probe of eager and compiled GPT steps in bf16
+# (tokens/s, MFU); the reports go to $(GPU_REPORT)/. Dry run on CPU: make gpu-check
+# GPU_PYTHON=.venv/bin/python GPU_DEVICE=cpu GPU_PROBE_ARGS="--presets tiny --batch 2 --steps 2 --warmup 1"
 GPU_REPORT ?= gpu-check
 GPU_PROBE_ARGS ?=
 gpu-check:
 	mkdir -p $(GPU_REPORT)
-	PYTHONPATH=. TESSERA_TEST_DEVICE=$(GPU_DEVICE) $(GPU_PYTHON) -m pytest -q -p no:cacheprovider --cuda-lane -m cuda \
-		--junitxml=$(GPU_REPORT)/lane.xml tests/cuda
+	$(GPU_LANE) --junitxml=$(GPU_REPORT)/lane.xml tests/cuda
 	PYTHONPATH=. $(GPU_PYTHON) benchmarks/gpu_probe.py --device $(GPU_DEVICE) --out $(GPU_REPORT)/probe.json $(GPU_PROBE_ARGS)
 
 # The tessera.hf policies against the newest transformers release, in an environment of its own
