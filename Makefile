@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tessera-installed
 
-.PHONY: setup train test test-gpu gpu-check test-hf-latest lint clean
+.PHONY: setup train test test-gpu gpu-check check-torch-floor test-hf-latest lint clean
 
 setup: $(STAMP)
 
@@ -50,6 +50,26 @@ gpu-check:
 	$(GPU_LANE) --junitxml=$(GPU_REPORT)/lane.xml tests/cuda
 	PYTHONPATH=. $(GPU_PYTHON) benchmarks/gpu_probe.py --device $(GPU_DEVICE) --out $(GPU_REPORT)/probe.json $(GPU_PROBE_ARGS)
 
+# The oldest torch that pyproject.toml allows (TORCH_FLOOR, read from its "torch>=" line), in an
+# environment of its own installed from the package registries: tessera imports, the CUDA lane's
+# test code runs on CPU (test-gpu with GPU_DEVICE=cpu), tessera.comm's collectives run on 2, 4 and
+# 8 gloo ranks (tests/dist/test_comm.py) and `tessera check` works. Not part of `make test`:
+# PyPI's torch for x86_64 Linux is a CUDA build that does not import without its nvidia-*
+# packages (about 5 GB in all). transformers 5 needs torch 2.6 (it does not see an older one), so
+# the lane's LoRA tests run here with transformers 4.
+TORCH_FLOOR ?= $(shell sed -n 's/^ *"torch>=\([0-9.]*\)".*/\1/p' pyproject.toml)
+FLOOR_VENV ?= .venv-torch-floor
+FLOOR_TRANSFORMERS ?= transformers<5
+check-torch-floor:
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(FLOOR_VENV)/bin/python -m pip install --quiet torch==$(TORCH_FLOOR) -e . pytest peft '$(FLOOR_TRANSFORMERS)'
+	$(FLOOR_VENV)/bin/python -c "import sys, torch; v = torch.__version__; sys.exit(0 if v.startswith('$(TORCH_FLOOR)') else 'torch ' + v + ' replaced $(TORCH_FLOOR)')"
+	$(FLOOR_VENV)/bin/python -c "import tessera"
+	$(MAKE) test-gpu GPU_PYTHON=$(FLOOR_VENV)/bin/python GPU_DEVICE=cpu
+	$(FLOOR_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/dist/test_comm.py
+	$(FLOOR_VENV)/bin/tessera check
+
 # The tessera.hf policies against the newest transformers release, in an environment of its own
 # (not part of `make test`, which runs the pinned one): a release that breaks a policy fails here.
 HF_VENV ?= .venv-hf-latest
@@ -63,4 +83,4 @@ test-hf-latest:
 	$(HF_VENV)/bin/python -m pytest -q tests/dist/test_hf_tensor.py tests/dist/test_hf_grid.py tests/dist/test_hf_encoders.py tests/dist/test_hf_encoders_grid.py tests/dist/test_hf_pipeline.py tests/dist/test_hf_sequence.py
 
 clean:
-	rm -rf $(VENV) $(HF_VENV) runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(HF_VENV) $(FLOOR_VENV) runs .pytest_cache .mypy_cache .ruff_cache
