@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tessera-installed
 
-.PHONY: setup train test test-gpu gpu-check test-hf-latest lint clean
+.PHONY: setup train test test-gpu gpu-check check-torch-floor test-hf-latest lint clean
 
 setup: $(STAMP)
 
@@ -28,26 +28,47 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest -q
 
-# The CUDA lane (tests/cuda, marker `cuda`), which `make test` does not collect. It needs a GPU
-# and a CUDA build of torch (docs/testing.md also shows how to dry-run its test code on CPU).
-test-gpu: $(STAMP)
-	@$(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: no GPU here: torch.cuda.is_available() is False (torch ' + torch.__version__ + ', CUDA build: ' + str(torch.version.cuda or 'none') + '). The CUDA lane needs a GPU and a CUDA build of torch.')"
-	TESSERA_TEST_DEVICE=cuda:0 $(BIN)/python -m pytest -q --cuda-lane -m cuda tests/cuda
-
-# The same lane on a GPU machine that has its own python with a CUDA torch and only this source
-# tree (no .venv, no internet): nothing is installed, the tree is imported through PYTHONPATH,
-# then a short probe of eager and compiled GPT steps in bf16 (tokens/s, MFU); the reports go to
-# $(GPU_REPORT)/. Dry run on CPU: make gpu-check GPU_PYTHON=.venv/bin/python GPU_DEVICE=cpu
-# GPU_PROBE_ARGS="--presets tiny --batch 2 --steps 2 --warmup 1"
+# The CUDA lane (tests/cuda, marker `cuda`), which `make test` does not collect. It runs on a GPU
+# machine's own python with a CUDA torch (GPU_PYTHON, default python3) over this source tree through
+# PYTHONPATH=., installing nothing and needing no .venv (a bare GPU machine may have no internet).
+# Without a GPU, pytest stops at once naming the reason (tests/conftest.py). Dry run of the lane's
+# test code on CPU with any python that has torch and pytest:
+# make test-gpu GPU_PYTHON=.venv/bin/python GPU_DEVICE=cpu
 GPU_PYTHON ?= python3
 GPU_DEVICE ?= cuda:0
+GPU_LANE = PYTHONPATH=. TESSERA_TEST_DEVICE=$(GPU_DEVICE) $(GPU_PYTHON) -m pytest -q -p no:cacheprovider --cuda-lane -m cuda
+test-gpu:
+	$(GPU_LANE) tests/cuda
+
+# The lane as test-gpu runs it, then a short probe of eager and compiled GPT steps in bf16
+# (tokens/s, MFU); the reports go to $(GPU_REPORT)/. Dry run on CPU: make gpu-check
+# GPU_PYTHON=.venv/bin/python GPU_DEVICE=cpu GPU_PROBE_ARGS="--presets tiny --batch 2 --steps 2 --warmup 1"
 GPU_REPORT ?= gpu-check
 GPU_PROBE_ARGS ?=
 gpu-check:
 	mkdir -p $(GPU_REPORT)
-	PYTHONPATH=. TESSERA_TEST_DEVICE=$(GPU_DEVICE) $(GPU_PYTHON) -m pytest -q -p no:cacheprovider --cuda-lane -m cuda \
-		--junitxml=$(GPU_REPORT)/lane.xml tests/cuda
+	$(GPU_LANE) --junitxml=$(GPU_REPORT)/lane.xml tests/cuda
 	PYTHONPATH=. $(GPU_PYTHON) benchmarks/gpu_probe.py --device $(GPU_DEVICE) --out $(GPU_REPORT)/probe.json $(GPU_PROBE_ARGS)
+
+# The oldest torch that pyproject.toml allows (TORCH_FLOOR, read from its "torch>=" line), in an
+# environment of its own installed from the package registries: tessera imports, the CUDA lane's
+# test code runs on CPU (test-gpu with GPU_DEVICE=cpu), tessera.comm's collectives run on 2, 4 and
+# 8 gloo ranks (tests/dist/test_comm.py) and `tessera check` works. Not part of `make test`:
+# PyPI's torch for x86_64 Linux is a CUDA build that does not import without its nvidia-*
+# packages (about 5 GB in all). transformers 5 needs torch 2.6 (it does not see an older one), so
+# the lane's LoRA tests run here with transformers 4.
+TORCH_FLOOR ?= $(shell sed -n 's/^ *"torch>=\([0-9.]*\)".*/\1/p' pyproject.toml)
+FLOOR_VENV ?= .venv-torch-floor
+FLOOR_TRANSFORMERS ?= transformers<5
+check-torch-floor:
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(FLOOR_VENV)/bin/python -m pip install --quiet torch==$(TORCH_FLOOR) -e . pytest peft '$(FLOOR_TRANSFORMERS)'
+	$(FLOOR_VENV)/bin/python -c "import sys, torch; v = torch.__version__; sys.exit(0 if v.startswith('$(TORCH_FLOOR)') else 'torch ' + v + ' replaced $(TORCH_FLOOR)')"
+	$(FLOOR_VENV)/bin/python -c "import tessera"
+	$(MAKE) test-gpu GPU_PYTHON=$(FLOOR_VENV)/bin/python GPU_DEVICE=cpu
+	$(FLOOR_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/dist/test_comm.py
+	$(FLOOR_VENV)/bin/tessera check
 
 # The tessera.hf policies against the newest transformers release, in an environment of its own
 # (not part of `make test`, which runs the pinned one): a release that breaks a policy fails here.
@@ -62,4 +83,4 @@ test-hf-latest:
 	$(HF_VENV)/bin/python -m pytest -q tests/dist/test_hf_tensor.py tests/dist/test_hf_grid.py tests/dist/test_hf_encoders.py tests/dist/test_hf_encoders_grid.py tests/dist/test_hf_pipeline.py tests/dist/test_hf_sequence.py
 
 clean:
-	rm -rf $(VENV) $(HF_VENV) runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(HF_VENV) $(FLOOR_VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from tessera.comm.group import AxisGroup
 from tessera.comm.ledger import record
-from tessera.comm.ops import Group, Pending, _nbytes, all_reduce, resolve
+from tessera.comm.ops import Group, Pending, _all_gather_single, _nbytes, _reduce_scatter_single, all_reduce, resolve
 from tessera.comm.progress import Entered
 from tessera.comm.tracking import enter, is_gloo, wait_for
 
@@ -64,7 +64,7 @@ def all_gather_into(full: torch.Tensor, shard: torch.Tensor, group: Group, async
     if is_gloo(g):
         pending: Pending = _Exchanged("all_gather", full, shard, g, None, entered)
     else:
-        pending = Pending(dist.all_gather_single(full, shard, g.pg, async_op=True), "all_gather", g, full, entered)
+        pending = Pending(_all_gather_single(full, shard, g.pg, async_op=True), "all_gather", g, full, entered)
     if not async_op:
         pending.wait()
     return pending
@@ -100,7 +100,7 @@ def reduce_scatter_into(
     if is_gloo(g):
         pending: Pending = _Exchanged("reduce_scatter", full, shard, g, factor, entered)
     else:
-        work = dist.reduce_scatter_single(shard, full, dist.ReduceOp.SUM, g.pg, async_op=True)
+        work = _reduce_scatter_single(shard, full, dist.ReduceOp.SUM, g.pg, async_op=True)
         pending = _Scaled(work, g, shard, factor, entered)
     if not async_op:
         pending.wait()

@@ -26,6 +26,11 @@ from tessera.errors import CommError
 
 Group = AxisGroup | str
 
+# The flat collectives: torch 2.13 names them all_gather_single and reduce_scatter_single and keeps
+# the older names as deprecated aliases of these; torch 2.12 and older have only the older names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
     "max": dist.ReduceOp.MAX,
@@ -171,7 +176,7 @@ def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor
         return _traced["all_gather"](tensor, g, dim)
     local = tensor.movedim(dim, 0).contiguous()
     out = local.new_empty((g.size * local.shape[0], *local.shape[1:]))
-    _issue("all_gather", g, _nbytes(out), lambda: dist.all_gather_single(out, local, g.pg, async_op=True))
+    _issue("all_gather", g, _nbytes(out), lambda: _all_gather_single(out, local, g.pg, async_op=True))
     return out.movedim(0, dim)
 
 
@@ -191,7 +196,7 @@ def reduce_scatter(tensor: torch.Tensor, group: Group, dim: int = 0, op: str = "
         "reduce_scatter",
         g,
         _nbytes(full),
-        lambda: dist.reduce_scatter_single(out, full, reduce_op, g.pg, async_op=True),
+        lambda: _reduce_scatter_single(out, full, reduce_op, g.pg, async_op=True),
     )
     if op == "avg":
         out.div_(g.size)

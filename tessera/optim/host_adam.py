@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.optim.adam import adam as adam_functional
+from torch.optim.adamw import adamw as adamw_functional
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
@@ -246,7 +246,7 @@ class HostAdamW(torch.optim.AdamW):
             return [value] if single else list(value)
 
         beta1, beta2 = group["betas"]
-        adam_functional(
+        adamw_functional(
             listed("param"),
             listed("grad"),
             listed("exp_avg"),
@@ -260,7 +260,6 @@ class HostAdamW(torch.optim.AdamW):
             grad_scale=None,
             found_inf=None,
             has_complex=False,
-            decoupled_weight_decay=True,
             amsgrad=group["amsgrad"],
             beta1=beta1,
             beta2=beta2,
