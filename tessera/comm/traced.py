@@ -15,7 +15,6 @@ Groups cross the graph boundary by their ``key`` (custom ops take no Python obje
 from __future__ import annotations
 
 import torch
-from torch._library.effects import EffectType
 
 from tessera.comm import ops
 from tessera.comm.group import AxisGroup
@@ -94,8 +93,16 @@ def _(x: torch.Tensor, group: str, dst: int, op: str) -> torch.Tensor:
 
 # Every member must call every collective, in the same order: compiled graphs may neither drop one
 # whose output a member does not use (a reduce's non-destination) nor move one past another.
+def _ordered(op: torch._ops.OpOverload) -> None:
+    # torch's effect registry (public in torch.library since 2.7; its first home before)
+    from torch._higher_order_ops import effects
+
+    register = getattr(torch.library, "_register_effectful_op", None) or effects._register_effectful_op
+    register(op, effects._EffectType.ORDERED)
+
+
 for _op in (_all_reduce, _all_gather, _reduce_scatter, _all_to_all, _broadcast, _reduce):
-    torch.library._register_effectful_op(_op._opoverload, EffectType.ORDERED)
+    _ordered(_op._opoverload)
 
 
 # ---- what ops.py calls while dynamo traces ------------------------------------------------------
