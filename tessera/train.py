@@ -57,6 +57,7 @@ from tessera.hf.train import CausalLMLoss, SavePretrainedHook, build_model, find
 from tessera.lora.quant import quantize
 from tessera.models import NextTokenLoss, gpt
 from tessera.optim import LAMB, LARS, lr_schedule
+from tessera.optim.kernels import use_step_kernel
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -75,6 +76,13 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
     if cfg.name == "adam":
         return torch.optim.Adam(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
+
+
+def step_kernel(cfg: Config) -> str:
+    """``optimizer.kernel``, with ``auto`` made ``fused`` for a compiled adam/adamw run (measured
+    faster on CPU; eager runs keep torch's choice and their numbers)."""
+    o = cfg.optimizer
+    return "fused" if o.kernel == "auto" and cfg.compile.enabled and o.name in ("adam", "adamw") else o.kernel
 
 
 def write_run_config(cfg: Config, world_size: int, path: Path) -> None:
@@ -298,6 +306,7 @@ def run(cfg: Config, run_dir: Path) -> list[dict[str, Any]]:
         recipe.model, optimizer, recipe.criterion, train_dl, eval_dl, scheduler, init=cfg.model.init
     )
     assert train_loader is not None
+    use_step_kernel(optimizer, step_kernel(cfg))
     # one rank's peak (the data sheet's, cached or measured on rank 0 now; collective)
     utilisation = UtilisationHook(per_token, shared_peak(ctx, engine.precision)) if per_token is not None else None
     if ctx.rank == 0:

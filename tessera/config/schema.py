@@ -519,12 +519,19 @@ class OptimizerConfig:
     eps: float = _field(1e-8, "Adam epsilon.")
     momentum: float = _field(0.9, "SGD and LARS momentum.")
     trust_coefficient: float = _field(0.001, "LARS trust coefficient.")
+    kernel: Literal["auto", "for-loop", "foreach", "fused"] = _field(
+        "auto",
+        "How an adam/adamw step runs: auto is torch's choice, or fused when compile.enabled (measured faster on "
+        "CPU, docs/compile.md); for-loop, foreach or fused as asked.",
+    )
 
     def validate(self, path: str) -> None:
         if self.lr <= 0:
             raise ConfigError(f"{path}lr={self.lr} must be positive")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"{path}betas={self.betas} must be two numbers within [0, 1)")
+        if self.kernel not in ("auto", "for-loop") and self.name not in ("adam", "adamw"):
+            raise ConfigError(f"{path}kernel={self.kernel!r} is for adam and adamw; {self.name} takes 'auto'")
 
 
 @dataclass(frozen=True)

@@ -153,3 +153,29 @@ def test_the_probe_compares_with_eager_and_times_a_cold_and_a_warm_compile():
     assert result.max_diff < 1e-5
     assert result.cold_s > 0 and result.warm_s > 0
     assert set(result.report.regions) == {f"blocks.{i}" for i in range(4)}
+
+
+def test_a_compiled_adamw_run_steps_with_the_fused_kernel_and_the_same_numbers():
+    from tessera.optim.kernels import use_step_kernel
+    from tessera.train import step_kernel
+
+    assert step_kernel(load_config({"compile": {"enabled": True}})) == "fused"
+    assert step_kernel(load_config({})) == "auto"  # eager runs keep torch's choice (and their numbers)
+    assert step_kernel(load_config({"compile": {"enabled": True}, "optimizer": {"kernel": "foreach"}})) == "foreach"
+    with pytest.raises(ConfigError, match="optimizer.kernel"):
+        load_config({"optimizer": {"name": "sgd", "kernel": "fused"}})
+    models = [_tiny_gpt() for _ in range(2)]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=3e-3, foreach=False) for m in models]
+    assert use_step_kernel(optimizers[1], "fused") == "fused"
+    x, y = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))
+    for model, optimizer in zip(models, optimizers, strict=True):
+        for _ in range(3):
+            optimizer.zero_grad()
+            NextTokenLoss()(model(x), y).backward()
+            optimizer.step()
+    # the key bias gets no true gradient (softmax ignores it), only rounding noise, which Adam scales
+    # up: the kernels' different rounding moves it by ~2e-6, everything else by ~2e-8
+    for (name, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=name)
+    with pytest.raises(ValueError, match="SGD takes optimizer.kernel='auto'"):
+        use_step_kernel(torch.optim.SGD(models[0].parameters(), lr=0.1), "fused")
