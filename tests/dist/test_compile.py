@@ -24,10 +24,13 @@ from tests.golden.strategies import GoldenRun, dataset
 STEPS = 20
 PP = dict(accumulation=1, microbatches=4)
 
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     run: GoldenRun
-    backend: str = "aot_eager"  # inductor where it matters most; aot_eager (the captured graphs, torch's kernels) elsewhere
+    backend: str = (
+        "aot_eager"  # inductor where it matters most; aot_eager (the captured graphs, torch's kernels) elsewhere
+    )
     no_break: bool = False  # a GPT block compiles to one graph, without a break
     # Gemini's auto placement reacts to the working set, which a block gathered whole changes:
     # its parameter gathers may differ by the odd re-gather (all other collectives are the same)
@@ -112,3 +115,33 @@ def test_compiled_training_equals_eager(pools, name):
             assert not stats["eager"], (region, stats)
             if case.no_break:
                 assert stats["graph_breaks"] == {}, (region, stats["graph_breaks"])
+
+
+def _train_transformers(family: str, backend: str) -> dict[str, Any]:
+    from tests.dist import test_hf_tensor as hf_case
+
+    torch._dynamo.reset()
+    config: dict[str, Any] = {"parallel": {"tensor": {"size": 2, "mode": "1d"}}}
+    if backend:
+        config["compile"] = {"enabled": True, "backend": backend}
+    use_layout(tensor=2, config=config)
+    model = hf_case.build(family)
+    engine, *_ = tessera.initialize(model, hf_case.optimizer_of(model), hf_case.loss_of)
+    losses = [float(engine.train_batch(iter([(x, y)]))) for x, y in hf_case.batches()]
+    report = engine.compile_report.as_dict() if engine.compile_report is not None else {}
+    engine.strategy.close()
+    return {"losses": losses, "report": report}
+
+
+def _transformers_eager_and_compiled(family: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    return _train_transformers(family, ""), _train_transformers(family, "aot_eager")
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_compiled_transformers_model_under_its_tensor_policy_trains_as_eager(pools, family):
+    """The layers a Hugging Face policy builds (1D tp2) compile per decoder layer, without a break."""
+    for eager, compiled in pools.run(2, _transformers_eager_and_compiled, family, timeout=300):
+        torch.testing.assert_close(compiled["losses"], eager["losses"], rtol=1e-5, atol=0)
+        layers = "transformer.h" if family == "gpt2" else "model.layers"
+        assert set(compiled["report"]) == {f"{layers}.0", f"{layers}.1"}
+        assert all(s["graphs"] >= 1 and not s["graph_breaks"] and not s["eager"] for s in compiled["report"].values())
