@@ -59,6 +59,15 @@ CASES: dict[str, Case] = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_ranks_afterwards(pools):
+    """Compiling grows a rank's heap for good (dynamo's and inductor's caches, freed arenas that
+    stay resident): the tests after these get fresh ranks, as tests that measure memory expect."""
+    yield
+    for world_size in sorted({case.run.ranks for case in CASES.values()}):
+        pools.get(world_size).close()
+
+
 def _train(run: GoldenRun) -> dict[str, Any]:
     torch._dynamo.reset()  # a pool's ranks outlive a test: start each compiled run from empty caches
     with tempfile.TemporaryDirectory() as offload:
