@@ -19,7 +19,7 @@ from tessera import comm
 from tessera.checkpoint import full_state_dict
 from tessera.models import NextTokenLoss, gpt
 from tessera.testing import use_layout
-from tests.golden.strategies import GoldenRun, dataset
+from tests.golden.strategies import GoldenRun, start
 
 STEPS = 20
 PP = dict(accumulation=1, microbatches=4)
@@ -71,14 +71,7 @@ def _fresh_ranks_afterwards(pools):
 def _train(run: GoldenRun) -> dict[str, Any]:
     torch._dynamo.reset()  # a pool's ranks outlive a test: start each compiled run from empty caches
     with tempfile.TemporaryDirectory() as offload:
-        use_layout(data=run.data, pipeline=run.pipeline, tensor=run.tensor, mode=run.mode, depth=run.depth,
-                   sequence=run.sequence, expert=run.expert, config=run.config(offload))  # fmt: skip
-        torch.manual_seed(0)
-        model = gpt(**run.model())
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
-        loader = DataLoader(dataset(), batch_size=run.micro_batch())
-        engine, loader, _, _ = tessera.initialize(model, optimizer, NextTokenLoss(), loader)
-        assert loader is not None
+        engine, model, loader = start(run, offload)
         it = iter(loader)
         losses = []
         with comm.ledger() as counted:

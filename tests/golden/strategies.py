@@ -175,6 +175,19 @@ def dataset() -> TensorDataset:
     return TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
 
+def start(run: GoldenRun, offload: str) -> tuple[Any, torch.nn.Module, DataLoader]:
+    """``run``'s layout on this rank, and its engine, model (GPT, seed 0) and data loader."""
+    use_layout(data=run.data, pipeline=run.pipeline, tensor=run.tensor, mode=run.mode, depth=run.depth,
+               sequence=run.sequence, expert=run.expert, config=run.config(offload))  # fmt: skip
+    torch.manual_seed(0)
+    model = gpt(**run.model())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
+    loader = DataLoader(dataset(), batch_size=run.micro_batch())
+    engine, loader, _, _ = tessera.initialize(model, optimizer, NextTokenLoss(), loader)
+    assert loader is not None
+    return engine, model, loader
+
+
 def train_golden(name: str) -> tuple[str, dict[str, Any]]:
     """Run ``RUNS[name]`` on every rank of the pool; every rank returns its numerics class and
     the numbers it saw."""
@@ -182,14 +195,7 @@ def train_golden(name: str) -> tuple[str, dict[str, Any]]:
     if run.compile:
         torch._dynamo.reset()  # a pool's ranks outlive a run: compile this one from empty caches
     with tempfile.TemporaryDirectory() as offload:
-        use_layout(data=run.data, pipeline=run.pipeline, tensor=run.tensor, mode=run.mode, depth=run.depth,
-                   sequence=run.sequence, expert=run.expert, config=run.config(offload))  # fmt: skip
-        torch.manual_seed(0)
-        model = gpt(**run.model())
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
-        loader = DataLoader(dataset(), batch_size=run.micro_batch())
-        engine, loader, _, _ = tessera.initialize(model, optimizer, NextTokenLoss(), loader)
-        assert loader is not None
+        engine, model, loader = start(run, offload)
         it = iter(loader)
         losses, norms = [], []
         for _ in range(STEPS):
