@@ -6,6 +6,7 @@ of the warm-cache run (the method is described in :mod:`tessera.bench.compiled`)
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import statistics
 from collections.abc import Callable, Iterator
@@ -216,6 +217,12 @@ def _first_steps(
     return first
 
 
+def release() -> None:
+    """Drop the compiled code (it holds the process groups it calls) and what only cycles keep."""
+    torch._dynamo.reset()
+    gc.collect()
+
+
 def timing_body(
     w: Workload, layout: str, blocks: int, steps: int, caches: dict[str, str], peak_size: int = 2048
 ) -> dict[str, Any]:
@@ -241,7 +248,7 @@ def timing_body(
             raise RuntimeError(f"{FSDP2} trains something else: first loss {theirs}, tessera's {ours}")
     report = engine.compile_report.as_dict() if engine.compile_report is not None else {}
     engine.strategy.close()
-    torch._dynamo.reset()  # the compiled code holds the process groups it calls
+    release()
     return {"times": times, "first": first, "peak": peak, "losses": losses, "report": report, "errors": errors}
 
 
@@ -261,7 +268,7 @@ def warm_body(w: Workload, layout: str, caches: dict[str, str]) -> dict[str, flo
         warm[label] = first[label] - second
     warm[STARTUP] = first[STARTUP]
     engine.strategy.close()
-    torch._dynamo.reset()
+    release()
     return warm
 
 

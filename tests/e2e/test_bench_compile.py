@@ -75,8 +75,8 @@ def test_bench_compile_is_a_bench_target_with_a_selection():
     assert (args.target, args.only, args.out) == ("compile", "dp2,gpt2", "compile.json")
     assert BENCH_TARGETS["compile"] == "tessera.bench.compiled:main"
     assert compiled.selection("dp2,gpt2") == ([compiled.WORKLOADS["gpt2"]], ("dp2",))
-    assert compiled.selection("gpt2-medium")[1] == compiled.LAYOUTS
-    assert compiled.selection(None) == (list(compiled.WORKLOADS.values()), compiled.LAYOUTS)
+    assert compiled.selection("gpt2-medium") == ([compiled.WORKLOADS["gpt2-medium"]], compiled.LAYOUTS)
+    assert compiled.selection(None) == ([compiled.WORKLOADS["gpt2"]], compiled.LAYOUTS)
     with pytest.raises(ConfigError, match=r"--only tp4: not a layout"):
         compiled.main(argparse.Namespace(only="tp4", out=None))
     result = compiled.Result("dp2", TINY, {EAGER: [0.2, 0.4, 0.3], COMPILED: [0.1, 0.2, 0.3]},
