@@ -125,6 +125,7 @@ BENCH_TARGETS: dict[str, str] = {  # name -> "module:function"; each strategy ad
     "moe": "tessera.bench.moe:main",
     "rlhf-generate": "tessera.bench.rlhf_generate:main",
     "lora": "tessera.bench.lora:main",
+    "compile": "tessera.bench.compiled:main",
 }
 
 # name -> what it measures, how long it takes on 2 CPU cores, what it needs
@@ -164,6 +165,10 @@ BENCH_HELP: dict[str, str] = {
     "full fine-tuning, LoRA on NF4 and LoRA on NF4 with the base on disk under Gemini train under 768 MiB per "
     "rank (about 20 min); needs the hf and peft extras, "
     "the DeepSpeed rows the bench extra",
+    "compile": "eager vs compiled training (each block compiled by inductor) of GPT-2 small and medium under dp2, "
+    "ZeRO-3 dp2, 1d tp2, pp2 1F1B and ring sp2, 2 ranks: tokens/s, MFU, cold and warm compile times; tessera's "
+    "compiled ZeRO-3 vs torch FSDP2 with each block compiled (about 20 min; --only gpt2 or --only dp2,zero3-dp2 "
+    "runs part)",
     "rlhf-generate": "RLHF rollouts with the paged KV cache vs the full forward per token on the same training GPT "
     "(tiny, 16+128 tokens, batch 1 and 16), and inside whole PPO steps at batch 16: tokens/s, PPO steps/s, the same "
     "greedy tokens, 1 process (about 1 min)",
@@ -189,8 +194,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     for flag in ("calibrate", "scenarios"):
         if getattr(args, flag, None) and args.target != "plan":
             raise ConfigError(f"--{flag} applies to `tessera bench plan` only, not {args.target!r}")
-    if getattr(args, "only", None) and args.target not in ("plan", "lora"):
-        raise ConfigError(f"--only applies to `tessera bench plan` and `tessera bench lora` only, not {args.target!r}")
+    if getattr(args, "only", None) and args.target not in ("plan", "lora", "compile"):
+        raise ConfigError(
+            f"--only applies to `tessera bench plan`, `tessera bench lora` and `tessera bench compile` only, "
+            f"not {args.target!r}"
+        )
     print(f"tessera bench {args.target}: {BENCH_HELP[args.target]}", file=sys.stderr, flush=True)
     module, func = BENCH_TARGETS[args.target].split(":")
     return int(getattr(importlib.import_module(module), func)(args) or 0)
@@ -295,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--only",
         default=None,
-        help="plan: comma-separated indices of the layouts to measure; lora: 'largest' (only the largest-model searches)",
+        help="plan: comma-separated indices of the layouts to measure; lora: 'largest' (only the largest-model searches); "
+        "compile: comma-separated layouts (dp2, zero3-dp2, tp1d-tp2, pp2-1f1b, sp2-ring) and models (gpt2, gpt2-medium)",
     )
     bench.add_argument(
         "--scenarios",
