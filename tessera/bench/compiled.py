@@ -33,9 +33,11 @@ global batch's tokens over it. ``compile_warm_s``: a second run of the same side
 processes reusing each side's cache directory (inductor's FX graph cache and AOT autograd's
 cache), its first compiled step less its second.
 
-MFU (:mod:`tessera.bench.flops`): model FLOPs per token ``6 N + 12 L d s`` times tokens/s over
-the two ranks' peak, the fastest fp32 matmul on one thread measured on both ranks at once in
-every timed run (the run's best).
+MFU (:func:`tessera.engine.flops.mfu`, as the trainer logs it): the model's FLOPs per token (GPT's
+``6 N + 12 L d s``, :meth:`tessera.models.gpt.GPT.flops_per_token`) times tokens/s over the two
+ranks' peak, an fp32 matmul on one thread (:func:`tessera.engine.peak.measure_matmul_peak`)
+measured on both ranks at once in every timed run (the run's best; not the cached peak, which a
+quiet machine measured).
 
 Where the code is: the workload, the layouts, the sides and what each rank runs in
 :mod:`tessera.bench.compiled_sides`; this module starts the pools (a fresh one per run and
@@ -66,9 +68,9 @@ from tessera.bench.compiled_sides import (
     timing_body,
     warm_body,
 )
-from tessera.bench.flops import flops_per_token, mfu
 from tessera.bench.pools import rank_pool
 from tessera.bench.report import Row, print_rows, write_rows
+from tessera.engine.flops import flops_per_token, mfu
 
 if TYPE_CHECKING:
     from tessera.testing import PoolSet

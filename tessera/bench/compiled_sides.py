@@ -229,12 +229,12 @@ def timing_body(
     """The timed run of one layout on every rank: the matmul peak (every rank at once), the
     sides built, an eager step each, the first compiled step of each with a cold cache, then
     alternating blocks of tessera eager, tessera compiled (and FSDP2)."""
-    from tessera.bench.flops import matmul_peak
+    from tessera.engine.peak import measure_matmul_peak
 
     torch._dynamo.reset()  # a pool's ranks outlive a run: no compiled code of an earlier one
     ctx = use(layout, w)
     group = ctx.group("world")
-    peak = matmul_peak(peak_size)
+    peak = measure_matmul_peak("cpu", "fp32", sizes=(peak_size,), seconds=0.5)
     fns, engine, errors = _sides(w, layout, group)
     data = batches_of(w, layout, ctx.group("data").rank)
     losses: dict[str, list[float]] = {label: [] for label in (EAGER, *fns)}

@@ -13,9 +13,9 @@ import torch
 
 from tessera.bench import compiled
 from tessera.bench.compiled_sides import COMPILED, EAGER, FSDP2, STARTUP, Workload
-from tessera.bench.flops import flops_per_token, mfu
 from tessera.bench.report import Row
 from tessera.cli import BENCH_TARGETS, build_parser
+from tessera.engine.flops import flops_per_token, mfu
 from tessera.errors import ConfigError
 from tessera.models import gpt
 from tests.e2e.test_bench import check
