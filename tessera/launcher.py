@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from tessera import comm
 from tessera.config import Config, ConfigSource, load_config, parallel_dims, require_available, resolve_auto
-from tessera.context import ParallelContext, seed_all
+from tessera.context import ParallelContext, hosts, seed_all
 from tessera.engine.lifecycle import close_open_engines
 from tessera.errors import ConfigError, TesseraError
 from tessera.session import set_session
@@ -101,6 +101,7 @@ def launch(
                 timeout=timeout,
             )
     comm.set_timeout(cfg.comm.timeout_s)
+    hosts.discover()  # which ranks share a host: the context warns of chatty groups across hosts
     seed_all(cfg.seed)
     ctx = ParallelContext(dims, device=device, seed=cfg.seed)
     set_session(ctx, cfg)
@@ -284,6 +285,7 @@ def shutdown() -> None:
         if "torch._dynamo" in sys.modules:  # compiled code and its guards keep the groups they saw
             torch._dynamo.reset()
         dist.destroy_process_group()
+        hosts.forget()
         if any(ref() is not None for ref in released):
             gc.collect()  # groups kept only by reference cycles
         kept = sum(ref() is not None for ref in released)

@@ -265,6 +265,16 @@ def build_parser() -> argparse.ArgumentParser:
         "'latest' (the newest under trainer.output_dir; the default with no value); the run goes on in that "
         "checkpoint's run folder",
     )
+    hosts = train.add_argument_group(
+        "across hosts", 'run the same command on every host (torchrun\'s options; docs/launch.md, "Several hosts")'
+    )
+    hosts.add_argument("--nnodes", default=None, metavar="N", help="hosts in the job (default 1)")
+    hosts.add_argument("--node-rank", type=int, default=None, metavar="K", help="this host's place, 0..N-1 (static)")
+    hosts.add_argument("--master-addr", default=None, metavar="HOST", help="host 0's address (static)")
+    hosts.add_argument("--master-port", type=int, default=None, metavar="PORT", help="host 0's port (static)")
+    hosts.add_argument("--rdzv-backend", default=None, metavar="c10d", help="dynamic rendezvous backend")
+    hosts.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="the rendezvous (dynamic)")
+    hosts.add_argument("--rdzv-id", default=None, metavar="ID", help="the job's id, the same on every host")
     train.set_defaults(func=_cmd_train)
     planning.add_parser(sub)
 

@@ -137,7 +137,18 @@ def cmd_train(args: Any) -> int:
         check_causal_lm(cfg.model.hf_path, cfg.model.options, cfg.data.seq_len)
     nproc = args.nproc_per_node or cfg.launch.nproc_per_node
     given = "--nproc-per-node" if args.nproc_per_node else "launch.nproc_per_node; change it with --nproc-per-node"
-    check_world(cfg, nproc, f"tessera train starts {nproc} processes: {given}")
+    world_opts = host_options(args)
+    nnodes = _option(world_opts, "--nnodes") or "1"
+    if nnodes.isdigit() and int(nnodes) > 1:
+        check_world(cfg, nproc * int(nnodes), f"tessera train starts {nproc * int(nnodes)} processes: "
+                    f"{nproc} ({given}) on each of --nnodes {nnodes} hosts")  # fmt: skip
+        if not args.output_dir:
+            raise ConfigError(
+                "tessera train across hosts needs --output-dir: one run folder that every host names the same "
+                "(on a file system they share), since each host would otherwise name its own after its clock"
+            )
+    else:
+        check_world(cfg, nproc, f"tessera train starts {nproc} processes: {given}")
     resumed = None
     if getattr(args, "resume", None) is not None:
         resumed = find_checkpoint(args.resume, Path(cfg.trainer.output_dir))
@@ -148,13 +159,31 @@ def cmd_train(args: Any) -> int:
         run_dir = resumed.parent.parent  # the run goes on in its own folder
     else:
         run_dir = default_run_dir(cfg)
-    argv = ["--standalone", "--nproc-per-node", str(nproc), "-m", "tessera.cli.rank", "--module", "tessera.train"]
+    argv = [*(world_opts or ["--standalone"]), "--nproc-per-node", str(nproc)]
+    argv += ["-m", "tessera.cli.rank", "--module", "tessera.train"]
     argv += ["--", "--run-dir", str(run_dir)]
     if args.config is not None:
         argv.append(str(args.config))
     for item in overrides:
         argv += ["--set", item]
     return start_ranks(argv, run_dir, "train", {})
+
+
+_HOST_OPTIONS = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint", "rdzv_id")
+
+
+def host_options(args: Any) -> list[str]:
+    """torchrun's options for a job across hosts that ``tessera train`` was given (none: one host)."""
+    given = {name: getattr(args, name, None) for name in _HOST_OPTIONS}
+    given = {name: value for name, value in given.items() if value is not None}
+    static = {"node_rank", "master_addr", "master_port"} & set(given)
+    dynamic = {"rdzv_backend", "rdzv_endpoint", "rdzv_id"} & set(given)
+    if static and dynamic:
+        raise ConfigError("tessera train: give --node-rank/--master-addr/--master-port (a static rendezvous) or "
+                          "--rdzv-backend/--rdzv-endpoint/--rdzv-id (a dynamic one), not both")  # fmt: skip
+    if given and "nnodes" not in given:
+        raise ConfigError("tessera train: a job across hosts needs --nnodes (the number of hosts)")
+    return [f"--{name.replace('_', '-')}={value}" for name, value in given.items()]
 
 
 def _complete(folder: Path) -> bool:

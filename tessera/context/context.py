@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from tessera import comm
 from tessera.comm import AxisGroup
+from tessera.context import hosts
 from tessera.context.dims import AxisSpec, ParallelDims, group_table
 from tessera.context.rng import RNGStreams
 
@@ -211,6 +212,17 @@ class ParallelContext:
         for axis in _built_axes(dims, groups):
             self._groups[axis] = self._build(axis)
         self.rng = RNGStreams(seed, dims, self.rank, self.device)
+        if self.rank == 0 and len(job_ranks) > 1:
+            hosts.warn_crossing(dims, job_ranks)
+
+    @property
+    def hosts(self) -> tuple[int, ...]:
+        """The host of each of the context's ranks (an index, hosts numbered in the order of their
+        first rank; :mod:`tessera.context.hosts`): all 0 outside ``tessera.launch``."""
+        known = hosts.host_of()
+        if known is None or len(known) <= max(self.job_ranks):
+            return (0,) * self.world_size
+        return hosts.host_indices([known[r] for r in self.job_ranks])
 
     @property
     def global_rank(self) -> int:

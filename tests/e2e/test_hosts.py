@@ -1,0 +1,114 @@
+"""Jobs across hosts: two hosts made of network namespaces (``tessera.testing.hosts``), each with
+its own address and hostname, 2 ranks on each, started as on two machines by ``tessera run`` /
+``tessera train`` on each host, under torchrun's static rendezvous and its c10d one. Every layout
+trains to the single-process answer (losses and weights, fp32 1e-5 relative), and ``tessera train``
+across the hosts to the losses of the same 4 ranks on one host."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessera.testing import hosts as nshosts
+from tessera.testing.pool import free_port
+from tests.e2e.test_cli import run, tessera_cmd
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "hosts_layouts.py"
+LAYOUTS = ("dp4", "tp2-dp2", "pp2-tp2", "zero3-dp4", "sp2-ring-dp2")
+TIMEOUT = 300
+
+pytestmark = pytest.mark.skipif(nshosts.available() is not None, reason=str(nshosts.available()))
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    with nshosts.Hosts(2) as made:
+        yield made
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def job(hosts: nshosts.Hosts, script: list[str], rendezvous: str, port: int, run_dir: Path, **kw) -> list:
+    """Start ``script`` on both hosts (2 ranks each) under ``rendezvous``: the processes, by host."""
+    procs = []
+    for k in range(hosts.count):
+        argv = nshosts.torchrun_argv(script, nnodes=hosts.count, nproc_per_node=2, node_rank=k,
+                                     master=hosts.hostnames[0], port=port, rendezvous=rendezvous,
+                                     run_id=f"job-{port}", extra=["--run-dir", str(run_dir / f"host{k}"), *kw.get(
+                                         "extra", ())])  # fmt: skip
+        procs.append(hosts.popen(k, argv, env=env(), cwd=ROOT))
+    return procs
+
+
+def checked(outputs: list[nshosts.HostOutput]) -> None:
+    for out in outputs:
+        assert out.returncode == 0, f"host {out.host} exited {out.returncode}:\n{out.stdout}\n{out.stderr}"
+
+
+def drift(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def test_layouts_across_two_hosts_equal_single_process(hosts, tmp_path):
+    # the two rendezvous side by side, each its own job on its own port
+    outs = {kind: tmp_path / f"{kind}.pt" for kind in ("static", "c10d")}
+    procs = {kind: job(hosts, [str(SCRIPT), str(out), *LAYOUTS], kind, free_port(), tmp_path / kind,
+                       extra=["--no-dry-run"]) for kind, out in outs.items()}  # fmt: skip
+    for kind in procs:
+        checked(nshosts.Hosts.wait(procs[kind], TIMEOUT))
+    for kind, out in outs.items():
+        results = torch.load(out)
+        # the ranks of a host are neighbours: 0-1 on one host, 2-3 on the other
+        assert results["hosts"][0] == results["hosts"][1] != results["hosts"][2] == results["hosts"][3], results[
+            "hosts"
+        ]
+        if kind == "static":
+            assert results["hosts"] == ["host0", "host0", "host1", "host1"]
+        single = results["single"]
+        for name in LAYOUTS:
+            got = results[name]
+            torch.testing.assert_close(got["losses"], single["losses"], rtol=1e-5, atol=0, msg=f"{kind} {name}")
+            for key, want in single["weights"].items():
+                assert drift(got["weights"][key], want) <= 1e-5, (kind, name, key, drift(got["weights"][key], want))
+
+
+def _losses(run_dir: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [row["loss"] for row in rows if "loss" in row]
+
+
+def test_tessera_train_across_two_hosts_matches_one_host(hosts, tmp_path):
+    settings = ["--set", "trainer.steps=6", "--set", "trainer.eval_every=null", "--set", "trainer.log_every=3"]
+    port = free_port()
+    across = tmp_path / "across"
+    procs = []
+    for k in range(hosts.count):
+        argv = [sys.executable, "-m", "tessera.cli", "train", "--nproc-per-node", "2", "--nnodes", "2",
+                "--node-rank", str(k), "--master-addr", hosts.hostnames[0], "--master-port", str(port),
+                "--output-dir", str(across), *settings]  # fmt: skip
+        procs.append(hosts.popen(k, argv, env=env(), cwd=tmp_path))
+    one = run([*tessera_cmd(), "train", "--nproc-per-node", "4", "--output-dir", str(tmp_path / "one"), *settings],
+              timeout=TIMEOUT)  # fmt: skip
+    checked(nshosts.Hosts.wait(procs, TIMEOUT))
+    assert one.returncode == 0, one.stdout + one.stderr
+    expected = _losses(tmp_path / "one")
+    assert len(expected) == 6
+    torch.testing.assert_close(_losses(across), expected, rtol=1e-5, atol=0)
+
+
+def test_train_across_hosts_needs_its_rendezvous_and_one_run_folder(tmp_path):
+    out = run([*tessera_cmd(), "train", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", "0",
+               "--master-addr", "h", "--master-port", "1"], timeout=60)  # fmt: skip
+    assert out.returncode != 0 and "needs --output-dir" in out.stderr
+    out = run([*tessera_cmd(), "train", "--node-rank", "0", "--master-addr", "h"], timeout=60)
+    assert out.returncode != 0 and "needs --nnodes" in out.stderr
+    out = run([*tessera_cmd(), "train", "--nnodes", "2", "--node-rank", "0", "--rdzv-backend", "c10d"], timeout=60)
+    assert out.returncode != 0 and "not both" in out.stderr
