@@ -1,6 +1,5 @@
 """Layer 1: communication. The only package that calls torch.distributed collectives."""
 
-from tessera.comm import traced as _traced  # noqa: F401  (registers the collectives compiled code calls)
 from tessera.comm.autograd import (
     all_gather_forward_reduce_scatter_backward,
     all_reduce_forward_copy_backward,

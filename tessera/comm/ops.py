@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from tessera.comm.ledger import record
 from tessera.comm.progress import Entered
 from tessera.comm.tracking import enter, enter_transfer, failure, is_gloo, wait_for
 from tessera.errors import CommError
+from tessera.graph_breaks import eager_in_compiled_code
 
 Group = AxisGroup | str
 
@@ -48,15 +49,6 @@ _traced: dict[str, Callable[..., torch.Tensor]] = {}
 def use_while_tracing(**functions: Callable[..., torch.Tensor]) -> None:
     """Install the functions that stand in for collectives while ``torch.compile`` traces."""
     _traced.update(functions)
-
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _eager_in_compiled_code(fn: _F) -> _F:
-    """Collectives without a traced form (asynchronous ones, point to point, objects) run eagerly
-    inside compiled code: a deliberate graph break at the call (docs/compile.md)."""
-    return cast(_F, torch.compiler.disable(fn, recursive=True))
 
 
 def _tracing() -> bool:
@@ -135,7 +127,7 @@ def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum") -> torch.Ten
     return tensor
 
 
-@_eager_in_compiled_code
+@eager_in_compiled_code
 def all_reduce_async(tensor: torch.Tensor, group: Group) -> torch.futures.Future[torch.Tensor]:
     """Start a sum all-reduce of contiguous ``tensor`` in place; the future yields the tensor.
 
@@ -227,7 +219,7 @@ class Pending:
         self._work, self._op, self._group, self._result = work, op, group, result
         self._entered = entered
 
-    @_eager_in_compiled_code
+    @eager_in_compiled_code
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             wait_for(self._work, self._op, self._group, self._entered)
@@ -235,7 +227,7 @@ class Pending:
         return self._result
 
 
-@_eager_in_compiled_code
+@eager_in_compiled_code
 def broadcast_async(tensor: torch.Tensor, group: Group, src: int = 0) -> Pending:
     """Start a broadcast from member ``src`` into contiguous ``tensor`` and return at once, so
     that compute can overlap it; ``.wait()`` before reading the tensor."""
@@ -283,7 +275,7 @@ def all_to_all(tensor: torch.Tensor, group: Group, scatter_dim: int, gather_dim:
     return torch.cat(parts, dim=gather_dim)
 
 
-@_eager_in_compiled_code
+@eager_in_compiled_code
 def barrier(group: Group) -> None:
     """Wait until every member arrives (under the watchdog)."""
     g = resolve(group)
@@ -292,7 +284,7 @@ def barrier(group: Group) -> None:
     _issue("barrier", g, 0, lambda: dist.barrier(g.pg, async_op=True))
 
 
-@_eager_in_compiled_code
+@eager_in_compiled_code
 def broadcast_object(obj: Any, group: Group, src: int = 0) -> Any:
     """Send a picklable object from member ``src`` to every member and return it."""
     g = resolve(group)
@@ -341,7 +333,7 @@ def p2p_in_any_order(group: Group) -> bool:
     return g.size == 1 or is_gloo(g)
 
 
-@_eager_in_compiled_code
+@eager_in_compiled_code
 def batch_p2p(ops: Sequence[P2POp], *, async_op: bool = False) -> list[Pending]:
     """Issue several sends and receives together, in order; wait for all of them unless ``async_op``.
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from tessera import graph_breaks
 from tessera.comm import ops
 from tessera.comm.group import AxisGroup
 from tessera.comm.group import group_by_key as _group
@@ -135,6 +136,7 @@ def reduce(tensor: torch.Tensor, group: AxisGroup, dst: int, op: str) -> torch.T
     return tensor.copy_(_reduce(tensor, group.key, dst, op))
 
 
+graph_breaks.install()  # the collectives without a traced form: deliberate breaks
 ops.use_while_tracing(
     all_reduce=all_reduce,
     all_gather=all_gather,

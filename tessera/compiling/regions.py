@@ -21,12 +21,21 @@ from typing import Any
 import torch
 from torch import nn
 
-import tessera.comm.traced  # noqa: F401  (the collectives compiled code calls)
+from tessera import graph_breaks
 from tessera.compiling.options import CompileOptions
 from tessera.compiling.report import CompileReport
 from tessera.errors import ConfigError
 from tessera.memory.release import gather_as_unit
 from tessera.nn.recompute import is_block
+
+
+def _trace_collectives() -> None:
+    """Register the collectives compiled code calls (:mod:`tessera.comm.traced`): imported when
+    something is first compiled, since it imports torch._dynamo (over a second of start-up);
+    and the functions that stay eager in compiled code, a deliberate break each."""
+    import tessera.comm.traced  # noqa: F401
+
+    graph_breaks.install()
 
 
 def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -63,6 +72,7 @@ class CompiledRegion:
 def compile_blocks(model: nn.Module, options: CompileOptions, report: CompileReport) -> list[str]:
     """Compile ``model`` per ``options`` in place: each block's forward (scope ``"blocks"``) or
     the model's (``"model"``). Returns the names of the compiled regions."""
+    _trace_collectives()
     if options.scope == "model":
         _compile_forward(model, "model", options, report)
         return ["model"]
@@ -86,4 +96,5 @@ def _compile_forward(module: nn.Module, name: str, options: CompileOptions, repo
 
 def compile_loss(criterion: Callable[..., torch.Tensor], options: CompileOptions) -> Callable[..., torch.Tensor]:
     """The criterion compiled as one region (``compile.loss``)."""
+    _trace_collectives()
     return torch.compile(criterion, **options.torch_options())  # type: ignore[call-overload, no-any-return]

@@ -60,6 +60,7 @@ from tessera import comm
 from tessera.comm import AxisGroup
 from tessera.context import ParallelContext
 from tessera.context.placement import ShardSpec, placement_of
+from tessera.graph_breaks import eager_in_compiled_code
 from tessera.nn.layers import resolve_context
 from tessera.parallel.tensor.common import local_shard, shard_parameter
 
@@ -274,7 +275,7 @@ class MoE(nn.Module):
         return y
 
 
-@torch.compiler.disable(recursive=True)
+@eager_in_compiled_code
 def _attach_auxiliary(y: torch.Tensor, aux: torch.Tensor, owner: MoE) -> torch.Tensor:
     # Eager even inside a compiled block (a deliberate graph break, docs/compile.md): the backward
     # reads the owner's aux_grad_scale when it runs, which the engine sets after the forward; a

@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+import torch._inductor.config  # inductor reads CXX once, at import: before the tests set it
 from torch import nn
 
 import tessera

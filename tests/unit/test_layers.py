@@ -13,6 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "tessera"
 RANKS: dict[str, float] = {
     "errors": 0,
     "files": 0,  # atomic writes with the umask's mode
+    "graph_breaks": 0,  # functions eager inside compiled code, disabled lazily
     "comm": 1,
     "context": 2,
     "memory": 3.0,
