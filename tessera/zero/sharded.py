@@ -121,7 +121,8 @@ class ShardedOptimizer(GradientPipeline, WrapsOptimizer):
     """The user's ``optimizer`` over ``model``'s parameters sharded over ``ctx``'s data axis, per
     ``policy`` and ``residence`` (see the module docstring); ``precision``: the parameters'
     dtype (``"fp32"``, ``"bf16"``, ``"fp16"``; masters stay fp32); ``overlap_comm``: whether
-    two reductions stay in flight while the backward goes on.
+    two reductions stay in flight while the backward goes on; ``shard``: ``"all"`` replicas share
+    the shards, or ``"host"``, those of each host (:mod:`tessera.zero.hybrid`).
 
     Behaves like a ``torch.optim.Optimizer`` for the engine and for LR schedulers
     (``param_groups``, ``state``, ``step``, ``zero_grad``, ``state_dict``); its parameter groups
