@@ -33,6 +33,7 @@ def training_options(config: Config) -> TrainingOptions:
             chunk_mb=z.chunk_mb,
             overlap_comm=z.overlap_comm,
             offload=z.offload_optimizer,
+            shard=z.shard,
         )
         if z.stage > 0
         else None
@@ -50,6 +51,7 @@ def training_options(config: Config) -> TrainingOptions:
             precision=mp.dtype,
             map_large_buffers=g.map_large_buffers,
             frozen_tier=g.frozen_tier,
+            shard=z.shard,
         )
         if g.active
         else None

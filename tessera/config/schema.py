@@ -198,6 +198,12 @@ class ZeroConfig:
         25.0, "Chunk capacity in MiB: parameters are packed into chunks, each also a gradient reduction's bucket."
     )
     offload_optimizer: Literal["none", "cpu"] = _field("none", "Keep optimizer states in host memory and step there.")
+    shard: Literal["all", "host"] = _field(
+        "all",
+        "all: shard over every data rank; host: shard over the data ranks of each host and repeat the shards on "
+        "every host (hybrid sharding: gradients reduce-scattered inside a host, then all-reduced across hosts; "
+        "parameters gathered inside a host). Needs stage >= 1 or gemini; docs/zero.md.",
+    )
     RENAMED: ClassVar[dict[str, str]] = {"bucket_mb": "chunk_mb"}
 
     def validate(self, path: str) -> None:
@@ -587,4 +593,5 @@ class Config:
             zero=self.zero.stage,
             offload=self.zero.offload_optimizer != "none",
             gemini=self.gemini.active,
+            host_shard=self.zero.shard == "host",
         )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
 import torch
@@ -11,8 +10,18 @@ import torch.distributed as dist
 from tessera import comm
 from tessera.comm import AxisGroup
 from tessera.context import hosts
-from tessera.context.dims import AxisSpec, ParallelDims, group_table
+from tessera.context.dims import AxisSpec, ParallelDims
+from tessera.context.hosts import HostSplit
+from tessera.context.job import (
+    check_ranks,
+    job_rank,
+    job_table,
+    job_world,
+    process_group,
+    side_process_group,
+)
 from tessera.context.rng import RNGStreams
+from tessera.errors import ConfigError
 
 REPLICA_AXES = ("data", "sequence")
 EXPERT_REPLICA_AXES = ("expert_data", "sequence")
@@ -20,16 +29,6 @@ EXPERT_REPLICA_AXES = ("expert_data", "sequence")
 
 def _axis_name(axis: AxisSpec) -> str:
     return axis if isinstance(axis, str) else "+".join(axis)
-
-
-def _job_world() -> int:
-    """Ranks in the job: torch.distributed's world, or this process alone."""
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _job_rank() -> int:
-    """This process's rank in the job."""
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _built_axes(dims: ParallelDims, extra: Sequence[AxisSpec] = ()) -> list[AxisSpec]:
@@ -40,54 +39,6 @@ def _built_axes(dims: ParallelDims, extra: Sequence[AxisSpec] = ()) -> list[Axis
         if dims.expert > 1:  # and of an expert's
             axes.append(EXPERT_REPLICA_AXES)
     return axes + [a if isinstance(a, str) else tuple(a) for a in extra]
-
-
-def _job_table(dims: ParallelDims, job_ranks: tuple[int, ...], axis: AxisSpec) -> list[tuple[int, ...]]:
-    """The groups along ``axis`` as job ranks: the context's rank ``i`` is job rank ``job_ranks[i]``."""
-    return [tuple(job_ranks[i] for i in members) for members in group_table(dims, axis)]
-
-
-def _process_group(members: tuple[int, ...]) -> dist.ProcessGroup | None:
-    """A new process group over the job ranks ``members`` (the job's own when they are all of it).
-    Collective over the whole job: torch makes every rank take part, members or not."""
-    if len(members) == _job_world():
-        return dist.group.WORLD
-    return dist.new_group(list(members))
-
-
-def _side_process_group(job_ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
-    """A gloo process group over ``job_ranks`` of its own (collective over the whole job)."""
-    return dist.new_group(list(job_ranks), backend="gloo") if len(job_ranks) > 1 else None
-
-
-def _check_ranks(ranks: Sequence[int], dims: ParallelDims) -> tuple[int, ...]:
-    """``ranks`` as a tuple of job ranks, after the checks :meth:`ParallelContext.on_ranks` makes."""
-    try:
-        chosen = tuple(operator.index(r) for r in ranks)  # ints, numpy's included
-    except TypeError:
-        raise ValueError(f"on_ranks: ranks must be integers, got {list(ranks)}") from None
-    repeated = sorted({r for r in chosen if chosen.count(r) > 1})
-    if repeated:
-        raise ValueError(f"on_ranks: rank(s) {repeated} appear more than once in {list(chosen)}")
-    if len(chosen) != dims.world_size:
-        raise ValueError(
-            f"on_ranks: {len(chosen)} rank(s) {list(chosen)} given for a layout of world size {dims.world_size}"
-        )
-    if len(chosen) > 1 and not dist.is_initialized():
-        raise ValueError(
-            f"on_ranks: a context over {len(chosen)} ranks needs torch.distributed initialized "
-            "(tessera.launch...); without it the job is this process alone"
-        )
-    world = _job_world()
-    outside = [r for r in chosen if not 0 <= r < world]
-    if outside:
-        raise ValueError(f"on_ranks: rank(s) {outside} are outside the job's {world} rank(s) 0..{world - 1}")
-    if list(chosen) != sorted(chosen):
-        raise ValueError(
-            f"on_ranks: give the ranks in ascending order, got {list(chosen)} "
-            "(the context's rank i is the i-th of them, as torch numbers a group's members)"
-        )
-    return chosen
 
 
 class ParallelContext:
@@ -114,11 +65,11 @@ class ParallelContext:
         device: torch.device | None = None,
         seed: int = 42,
     ) -> None:
-        world = _job_world()
+        world = job_world()
         if world != dims.world_size:
             raise ValueError(f"layout is for world size {dims.world_size} but the process group has {world} ranks")
         backend = dist.get_backend() if dist.is_initialized() else None
-        self._lay_out(dims, tuple(range(world)), _job_rank(), backend, device, seed)
+        self._lay_out(dims, tuple(range(world)), job_rank(), backend, device, seed)
 
     @classmethod
     def on_ranks(
@@ -148,19 +99,19 @@ class ParallelContext:
         for repeated ranks, ranks outside the job, ranks out of order, a count other than
         ``dims.world_size``, or several ranks without torch.distributed initialized.
         """
-        job_ranks = _check_ranks(ranks, dims)
-        me = _job_rank()
+        job_ranks = check_ranks(ranks, dims)
+        me = job_rank()
         axes = _built_axes(dims, groups)
         names = list(dict.fromkeys(side_groups))  # each name once, on members and others alike
         if me not in job_ranks:  # create the groups with the members, keep none of them
             created: set[tuple[int, ...]] = set()
             for axis in axes:
-                for members in _job_table(dims, job_ranks, axis):
+                for members in job_table(dims, job_ranks, axis):
                     if len(members) > 1 and members not in created:
                         created.add(members)
-                        _process_group(members)
+                        process_group(members)
             for _ in names:
-                _side_process_group(job_ranks)
+                side_process_group(job_ranks)
             return None
         ctx = cls.__new__(cls)
         backend = dist.get_backend() if dist.is_initialized() else None
@@ -183,7 +134,7 @@ class ParallelContext:
         """
         ctx = cls.__new__(cls)
         device = torch.device(device) if device is not None else None
-        ctx._lay_out(ParallelDims(world_size=1), (_job_rank(),), _job_rank(), None, device, seed)
+        ctx._lay_out(ParallelDims(world_size=1), (job_rank(),), job_rank(), None, device, seed)
         return ctx
 
     def _lay_out(
@@ -205,10 +156,12 @@ class ParallelContext:
         self.device = device or torch.device("cpu")
         self.backend = backend
         self.coordinates = dims.coordinates(self.rank)
-        self._whole_job = job_ranks == tuple(range(_job_world()))
+        self._whole_job = job_ranks == tuple(range(job_world()))
         self._groups: dict[AxisSpec, AxisGroup] = {}
         self._created: set[tuple[int, ...]] = set()  # member lists (job ranks) whose process group exists
         self._side: dict[str, AxisGroup] = {}  # side_group()
+        self._host_of = hosts.host_of()  # the job's hosts as discovered when the context was built
+        self._host_splits: dict[AxisSpec, HostSplit] = {}  # host_split()
         for axis in _built_axes(dims, groups):
             self._groups[axis] = self._build(axis)
         self.rng = RNGStreams(seed, dims, self.rank, self.device)
@@ -218,11 +171,31 @@ class ParallelContext:
     @property
     def hosts(self) -> tuple[int, ...]:
         """The host of each of the context's ranks (an index, hosts numbered in the order of their
-        first rank; :mod:`tessera.context.hosts`): all 0 outside ``tessera.launch``."""
-        known = hosts.host_of()
+        first rank; :mod:`tessera.context.hosts`) as discovered when the context was built: all 0
+        outside ``tessera.launch``."""
+        known = self._host_of
         if known is None or len(known) <= max(self.job_ranks):
             return (0,) * self.world_size
         return hosts.host_indices([known[r] for r in self.job_ranks])
+
+    def host_split(self, axis: AxisSpec, what: str = "zero.shard='host'") -> HostSplit:
+        """This rank's group along ``axis`` split by host (:class:`~tessera.context.HostSplit`:
+        ``<axis>.host`` inside this rank's host, ``<axis>.across`` between the hosts). Collective
+        the first time for an axis, like :meth:`new_group`; raises ConfigError (naming ``what``)
+        when the groups do not spread evenly over the hosts (``hosts.split_by_host``)."""
+        key = axis if isinstance(axis, str) else tuple(axis)
+        if key not in self._host_splits:
+            host = dict(zip(self.job_ranks, self.hosts)).__getitem__
+            inside, across = hosts.split_by_host(job_table(self.dims, self.job_ranks, key), host, what)
+            if not self._whole_job and any(len(m) > 1 and m not in self._created for m in inside + across):
+                raise ConfigError(
+                    f"{what} on a context over part of the job (ranks {list(self.job_ranks)}): its groups by host "
+                    "need every rank of the job to make them; use it on a context over the whole job"
+                )
+            name = _axis_name(key)
+            self._host_splits[key] = HostSplit(self._make(f"{name}.host", inside),
+                                                     self._make(f"{name}.across", across))  # fmt: skip
+        return self._host_splits[key]
 
     @property
     def global_rank(self) -> int:
@@ -233,21 +206,27 @@ class ParallelContext:
     # ---- groups ---------------------------------------------------------------------------
     def _build(self, axis: AxisSpec) -> AxisGroup:
         """Create every group along ``axis`` (collectively) and keep the one holding this rank."""
+        return self._make(_axis_name(axis), job_table(self.dims, self.job_ranks, axis))
+
+    def _make(self, name: str, table: list[tuple[int, ...]]) -> AxisGroup:
+        """Create every group of ``table`` (job ranks; collectively) and keep the one holding this
+        rank as ``name`` (a group made before is shared)."""
         me = self.global_rank
         mine: tuple[int, ...] = (me,)
         pg: dist.ProcessGroup | None = None
-        for members in _job_table(self.dims, self.job_ranks, axis):
+        known = [*self._groups.values(), *(g for s in self._host_splits.values() for g in (s.inside, s.across))]
+        for members in table:
             if len(members) > 1 and members not in self._created:
                 self._created.add(members)  # every rank creates every group, in the same order
-                made = _process_group(members)
+                made = process_group(members)
                 if me in members:
                     pg = made
             elif len(members) > 1 and me in members:
                 # made for an earlier axis; only AxisGroups hold process groups (shutdown lets them go)
-                pg = next(g.pg for g in self._groups.values() if g.ranks == members)
+                pg = next(g.pg for g in known if g.ranks == members)
             if me in members:
                 mine = members
-        return AxisGroup(name=_axis_name(axis), ranks=mine, rank=mine.index(me), pg=pg)
+        return AxisGroup(name=name, ranks=mine, rank=mine.index(me), pg=pg)
 
     def _part_of_job(self, what: str, option: str) -> RuntimeError:
         return RuntimeError(
@@ -266,7 +245,7 @@ class ParallelContext:
         key = axes if isinstance(axes, str) else tuple(axes)
         if key not in self._groups:
             if not self._whole_job and any(
-                len(m) > 1 and m not in self._created for m in _job_table(self.dims, self.job_ranks, key)
+                len(m) > 1 and m not in self._created for m in job_table(self.dims, self.job_ranks, key)
             ):
                 raise self._part_of_job(f"ctx.new_group({key!r})", f"groups=[{key!r}]")
             self._groups[key] = self._build(key)
@@ -289,7 +268,7 @@ class ParallelContext:
         return self._side[name]
 
     def _make_side_group(self, name: str) -> AxisGroup:
-        return AxisGroup(name=name, ranks=self.job_ranks, rank=self.rank, pg=_side_process_group(self.job_ranks))
+        return AxisGroup(name=name, ranks=self.job_ranks, rank=self.rank, pg=side_process_group(self.job_ranks))
 
     def group(self, axis: AxisSpec) -> AxisGroup:
         """This rank's group along ``axis``; pass it to any ``tessera.comm`` function.
@@ -308,7 +287,12 @@ class ParallelContext:
         """The ranks that hold the same parameters and average their gradients (ZeRO shards
         over them): the data axis, times the sequence axis when the sequence is split (its
         ranks run the same model on other tokens of the same batch)."""
-        return self._groups[REPLICA_AXES] if self.dims.sequence > 1 else self._groups["data"]
+        return self._groups[self.replicas_axis]
+
+    @property
+    def replicas_axis(self) -> AxisSpec:
+        """The axis (or axes) of :attr:`replicas`."""
+        return REPLICA_AXES if self.dims.sequence > 1 else "data"
 
     @property
     def expert_replicas(self) -> AxisGroup:

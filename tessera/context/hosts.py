@@ -9,17 +9,24 @@ distribution, ``mpirun --map-by slot``), so a tensor group of at most a host's r
 one host by default. :func:`discover` learns the hosts at launch (each rank's hostname, gathered
 once); a context whose tensor, sequence or expert groups reach across hosts says so once
 (:func:`warn_crossing`), naming the axis and a group, since the layout still trains correctly.
+
+Hybrid sharding (``zero.shard="host"``, docs/zero.md) splits each data group by host
+(:func:`split_by_host`): the members on one host shard the model state among themselves, and the
+members holding the same shard on the other hosts all-reduce it.
 """
 
 from __future__ import annotations
 
 import socket
 import warnings
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from tessera.comm import AxisGroup
 from tessera.context.dims import AxisSpec, ParallelDims, group_table
+from tessera.errors import ConfigError
 
 #: the axes whose collectives run every layer: a group of them across hosts is warned about
 CHATTY_AXES = ("tensor", "sequence", "expert")
@@ -118,14 +125,65 @@ def warn_crossing(dims: ParallelDims, job_ranks: Sequence[int], hosts: Sequence[
     )
 
 
+@dataclass(frozen=True)
+class HostSplit:
+    """A group split by host, seen from one member: ``inside``, its members on this rank's host
+    (named ``<axis>.host``); ``across``, the members at this rank's position inside their hosts,
+    one per host (``<axis>.across``). Over one host, ``across`` has this rank alone."""
+
+    inside: AxisGroup
+    across: AxisGroup
+
+
+def split_by_host(
+    groups: Sequence[tuple[int, ...]], host: Callable[[int], int], what: str
+) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """Each of ``groups`` (job ranks, ascending) split by host: ``(inside, across)``, where
+    ``inside`` are the members of a group on one host (in the order of their hosts' first
+    members) and ``across`` the members at the same position inside their host, one per host.
+    ``host(r)``: job rank ``r``'s host.
+
+    Raises ConfigError (naming ``what``, the config key asking for it) unless every group has
+    the same number of members on each of its hosts, and the same on every group, at least
+    two (one member a host would shard nothing)."""
+    inside: list[tuple[int, ...]] = []
+    across: list[tuple[int, ...]] = []
+    sizes: set[int] = set()
+    for group in groups:
+        by_host: dict[int, list[int]] = {}
+        for r in group:
+            by_host.setdefault(host(r), []).append(r)
+        parts = list(by_host.values())
+        counts = {len(part) for part in parts}
+        if len(counts) > 1:
+            spread = ", ".join(f"host {h}: ranks {part}" for h, part in by_host.items())
+            raise ConfigError(
+                f"{what}: the data ranks {list(group)} are spread unevenly over hosts ({spread}); each host must hold "
+                "the same number of a data group's ranks, so that every host holds whole shard groups"
+            )
+        sizes |= counts
+        inside += [tuple(part) for part in parts]
+        across += [tuple(part[i] for part in parts) for i in range(len(parts[0]))]
+    if len(sizes) > 1:
+        raise ConfigError(f"{what}: data groups have {sorted(sizes)} ranks a host; every group needs the same number")
+    if sizes == {1} and any(len(g) > 1 for g in groups):
+        raise ConfigError(
+            f"{what}: each host holds one rank of every data group, so sharding inside a host shards nothing (every "
+            "rank would hold the whole model state); shard over all data ranks (zero.shard='all') instead"
+        )
+    return inside, across
+
+
 __all__ = [
     "CHATTY_AXES",
     "HostCrossingWarning",
+    "HostSplit",
     "crossing",
     "discover",
     "forget",
     "host_indices",
     "host_of",
     "hostnames",
+    "split_by_host",
     "warn_crossing",
 ]

@@ -109,11 +109,14 @@ class ShardSpec:
 @dataclass(frozen=True, slots=True)
 class ZeroSlot:
     """A ZeRO piece's parameter: number ``index`` of the ``count`` parameters the sharded
-    optimizer holds, of shape ``shape`` on this rank (a tensor-parallel block's shape)."""
+    optimizer holds, of shape ``shape`` on this rank (a tensor-parallel block's shape);
+    ``within_host``: the pieces are spread over the replicas of one host and repeated on every
+    host (hybrid sharding), so a norm sums them over the host's replicas only."""
 
     index: int
     count: int
     shape: tuple[int, ...]
+    within_host: bool = False
 
 
 class ReleasableStorage(Protocol):

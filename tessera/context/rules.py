@@ -45,7 +45,9 @@ class Combination(NamedTuple):
     Axis sizes and tensor options mean what they mean in ``ParallelDims``; ``schedule``,
     ``microbatches`` and ``chunks`` are the pipeline's (``microbatches`` per step); ``zero`` is
     the ZeRO stage (0: off), ``offload`` whether optimizer states live on the host, ``gemini``
-    whether Gemini manages the model states, ``auto`` whether the planner chooses the layout.
+    whether Gemini manages the model states, ``auto`` whether the planner chooses the layout,
+    ``host_shard`` whether the model states are sharded over each host's data ranks
+    (``zero.shard="host"``).
     A named tuple (change fields with ``_replace``): the planner's search makes one per
     candidate, and a tuple is made four times as fast as a frozen dataclass.
     """
@@ -66,6 +68,7 @@ class Combination(NamedTuple):
     offload: bool = False
     gemini: bool = False
     auto: bool = False
+    host_shard: bool = False
 
 
 @dataclass(frozen=True)
@@ -273,6 +276,33 @@ RULES: tuple[Rule, ...] = (
             f"zero.stage={c.zero} with parallel.pipeline.size={c.pipeline}: stages 2 and 3 reduce (and free) "
             "gradients during every backward pass, but a pipeline step runs many backward passes and sums tied "
             "weights' gradients across stages afterwards; use zero.stage=1 with pipeline stages"
+        ),
+    ),
+    Rule(
+        "host_shard_needs_sharding",
+        "strategy",
+        lambda c: c.host_shard and c.zero == 0 and not c.gemini,
+        lambda c: (
+            "zero.shard='host' shards the model state over the data ranks of each host, but nothing is sharded: "
+            "set zero.stage >= 1 (or turn gemini on), or leave zero.shard='all'"
+        ),
+    ),
+    Rule(
+        "host_shard_without_experts",
+        "strategy",
+        lambda c: c.host_shard and c.expert > 1,
+        lambda c: (
+            f"zero.shard='host' with parallel.expert.size={c.expert}: an MoE layer's experts are sharded over the "
+            "ranks holding the same experts, which hybrid sharding does not split by host; use zero.shard='all'"
+        ),
+    ),
+    Rule(
+        "host_shard_without_pipeline",
+        "strategy",
+        lambda c: c.host_shard and c.pipeline > 1,
+        lambda c: (
+            f"zero.shard='host' with parallel.pipeline.size={c.pipeline}: hybrid sharding is not run with "
+            "pipeline stages; use zero.shard='all' with pipelines"
         ),
     ),
 )

@@ -155,6 +155,8 @@ def combination_of(ctx: ParallelContext, options: TrainingOptions) -> Combinatio
         zero=zero.policy.stage if zero is not None else 0,
         offload=zero is not None and zero.offload != "none",
         gemini=options.gemini is not None,
+        host_shard=(zero is not None and zero.shard == "host")
+        or (options.gemini is not None and options.gemini.shard == "host"),
     )
 
 

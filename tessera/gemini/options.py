@@ -21,7 +21,9 @@ class GeminiOptions:
     pass and step, so that the resident set follows what is alive, at the cost of page faults
     on every new activation; ``frozen_tier``: where the frozen tensors' shards live (a LoRA
     adapter's base): ``"auto"`` (placed as parameters are), ``"device"``, ``"host"`` or
-    ``"disk"`` (streamed in for each use; needs ``offload_dir``)."""
+    ``"disk"`` (streamed in for each use; needs ``offload_dir``); ``shard``: which replicas
+    share the chunks' shards (``"all"``; ``"host"``: those of each host, as ``zero.shard`` says:
+    ``tessera.zero.hybrid``)."""
 
     placement: Literal["static", "auto"] = "auto"
     device_budget: int | None = None
@@ -35,3 +37,4 @@ class GeminiOptions:
     keep_samples: bool = False
     map_large_buffers: bool | None = None
     frozen_tier: Literal["auto", "device", "host", "disk"] = "auto"
+    shard: Literal["all", "host"] = "all"

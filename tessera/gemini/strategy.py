@@ -39,7 +39,7 @@ class Gemini(Sharded):
         self.residence = TieredResidence(options)
         policy = ZeroPolicy.for_stage(3)  # parameters released between uses, gradients reduced in the backward
         sharded = ShardedOptimizer(module, optimizer, ctx, policy=policy, residence=self.residence,
-                                   precision=options.precision)  # fmt: skip
+                                   precision=options.precision, shard=options.shard)  # fmt: skip
         super().__init__(module, sharded)
         self.memory = self.residence.memory
         self.name = f"gemini({options.placement})"

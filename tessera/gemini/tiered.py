@@ -167,7 +167,8 @@ class TieredResidence(Residency, ShardResidence):
 
     def grad_norm(self) -> torch.Tensor:
         """The whole model's gradient norm (after every scaling so far); collective."""
-        norm = norm_from_slot_squares(self._slot_sq, self.sharded.slot_placements, self.sharded.ctx)
+        sharded = self.sharded
+        norm = norm_from_slot_squares(self._slot_sq, sharded.slot_placements, sharded.ctx, over=sharded.group)
         for factor in self._factors:
             norm = norm * factor.abs()
         return norm
@@ -212,7 +213,7 @@ class TieredResidence(Residency, ShardResidence):
         gather finds room (a gather one rank skips and another starts would pair collectives
         wrongly), and an MoE layer's saved tensors differ in size from rank to rank."""
         most = torch.tensor([float(activations)], device=self.sharded.ctx.device)
-        comm.all_reduce(most, self.sharded.ctx.replicas, op="max")
+        comm.all_reduce(most, self.sharded.group, op="max")  # the ranks sharing the chunks
         self.policy.keep_room_for(int(most.item()), self._parts, self._ungathered(), self.memory)
 
     def _step_chunk(self, chunk: TieredChunk) -> None:

@@ -7,7 +7,8 @@ Each tensor's :class:`~tessera.context.placement.Placement` says how it is sprea
   ``split_axes``; its squared norm is summed over each of those axes;
 - ``zero`` (ZeRO): the tensor is this data-parallel rank's piece of parameter ``zero.index`` of
   ``zero.count`` parameters flattened and split over the ``data`` axis; squared norms are summed
-  over the data axis in one dense vector of ``count`` slots;
+  over the data axis in one dense vector of ``count`` slots (over the data ranks of one host when
+  the pieces are repeated on every host: ``zero.within_host``, hybrid sharding);
 - ``stage`` (pipelines): the pipeline rank that counts the parameter in a whole-model norm (a
   tied parameter has gradients on several ranks); whole-model sums add up the stages.
 
@@ -23,10 +24,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import torch
 
 from tessera import comm
+from tessera.comm import AxisGroup
 from tessera.context import EXPERT_AXES, ParallelContext
 from tessera.context.placement import Placement, placement_of
 
@@ -43,14 +46,30 @@ def full_ndim(param: torch.Tensor) -> int:
     return len(placement_of(param).full_shape(param))
 
 
-def zero_layout_of(optimizer: torch.optim.Optimizer, quantities: int) -> tuple[int, int] | None:
-    """``(quantities, nslots)`` when ``optimizer`` holds ZeRO pieces (any of its tensors), else None."""
+class ZeroLayout(NamedTuple):
+    """What the norms of ZeRO pieces need to know of them all, even on a rank passing none:
+    the quantities given per piece, the optimizer's parameter slots, and whether the pieces are
+    spread over one host's replicas (:attr:`ZeroSlot.within_host`)."""
+
+    quantities: int
+    nslots: int
+    within_host: bool = False
+
+
+def zero_layout_of(optimizer: torch.optim.Optimizer, quantities: int) -> ZeroLayout | None:
+    """The :class:`ZeroLayout` of ``optimizer``'s ZeRO pieces (any of its tensors), else None."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             zero = placement_of(p).zero
             if zero is not None:
-                return quantities, zero.count
+                return ZeroLayout(quantities, zero.count, zero.within_host)
     return None
+
+
+def pieces_group(ctx: ParallelContext, within_host: bool = False) -> AxisGroup:
+    """The ranks over which the squares of ZeRO pieces are summed: every replica, or (hybrid
+    sharding, ``within_host``) the replicas of this rank's host, which hold every piece once."""
+    return ctx.host_split(ctx.replicas_axis).inside if within_host else ctx.replicas
 
 
 def mesh_of(tensors: Iterable[torch.Tensor]) -> ParallelContext | None:
@@ -75,7 +94,7 @@ def whole_sq_norms(
     tensors: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
     ctx: ParallelContext | None,
-    zero_layout: tuple[int, int] | None = None,
+    zero_layout: ZeroLayout | tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Squared 2-norm of the whole parameter that each ``tensors[i]`` is a piece of.
 
@@ -117,7 +136,10 @@ def whole_sq_norms(
 
 
 def _sum_zero_pieces(
-    sq: torch.Tensor, params: Sequence[torch.Tensor], ctx: ParallelContext, layout: tuple[int, int] | None = None
+    sq: torch.Tensor,
+    params: Sequence[torch.Tensor],
+    ctx: ParallelContext,
+    layout: ZeroLayout | tuple[int, int] | None = None,
 ) -> None:
     """Sum, over the data axis and in place, the squared norms of ZeRO pieces (one all-reduce).
 
@@ -131,10 +153,12 @@ def _sum_zero_pieces(
     slots: list[int] = []
     seen: dict[int, int] = defaultdict(int)
     nslots: int | None = layout[1] if layout is not None else None
+    within_host = isinstance(layout, ZeroLayout) and layout.within_host
     for i, p in enumerate(params):
         zero = placement_of(p).zero
         if zero is None:
             continue
+        within_host = within_host or zero.within_host  # one optimizer's pieces: all alike
         s, n = zero.index, zero.count
         if nslots is None:
             nslots = n
@@ -156,7 +180,7 @@ def _sum_zero_pieces(
     picked = torch.tensor(index, dtype=torch.long, device=sq.device)
     dense = torch.zeros(height, nslots, dtype=torch.float32, device=sq.device)
     dense.index_put_(at, sq.index_select(0, picked), accumulate=True)  # two pieces of one slot add up
-    comm.all_reduce(dense, ctx.replicas)
+    comm.all_reduce(dense, pieces_group(ctx, within_host))
     sq.index_copy_(0, picked, dense[at])
 
 
@@ -189,6 +213,7 @@ def global_grad_norm(
     ctx: ParallelContext | None = None,
     *,
     zero_slots: Sequence[Placement] | None = None,
+    zero_group: AxisGroup | None = None,
 ) -> torch.Tensor:
     """The 2-norm of the whole model's gradient (a 0-dim fp32 tensor on ``ctx``'s device), each
     whole parameter counted once, however its gradient is spread over the ranks.
@@ -197,8 +222,9 @@ def global_grad_norm(
     ``zero_slots`` they are (blocks of) the model's parameters, each counted on the pipeline
     stage that owns it. With ``zero_slots`` they are ZeRO pieces and ``zero_slots[i]`` is the
     placement of the model's parameter ``i`` (the same list on every data rank): the per-slot
-    squares are summed over the data axis first, so that a rank whose pieces are all padding
-    still makes the same collectives. Collective over every axis of ``ctx``.
+    squares are summed over the data axis first (over ``zero_group``, the ranks the pieces are
+    spread over, when given: one host's replicas under hybrid sharding), so that a rank whose
+    pieces are all padding still makes the same collectives. Collective over every axis of ``ctx``.
     """
     params = list(params)
     if ctx is None:
@@ -220,7 +246,7 @@ def global_grad_norm(
         pieces = [p for p in params if p.grad is not None]
         index = [placement_of(p).zero.index for p in pieces]  # type: ignore[union-attr]
         add_slot_squares(per_slot, index, [p.grad for p in pieces])  # type: ignore[misc]
-        return norm_from_slot_squares(per_slot, zero_slots, ctx)
+        return norm_from_slot_squares(per_slot, zero_slots, ctx, over=zero_group)
     if ctx is None:
         total = torch.zeros((), dtype=torch.float32, device=device)
         for _, part in sorted(parts.items()):
@@ -230,13 +256,14 @@ def global_grad_norm(
 
 
 def norm_from_slot_squares(
-    per_slot: torch.Tensor, zero_slots: Sequence[Placement], ctx: ParallelContext
+    per_slot: torch.Tensor, zero_slots: Sequence[Placement], ctx: ParallelContext, over: AxisGroup | None = None
 ) -> torch.Tensor:
     """The whole model's 2-norm from this data rank's squared norms of its pieces, summed per
     parameter slot (``per_slot[i]``: parameter ``i``, placed by ``zero_slots[i]``; the same
-    slots on every data rank). Collective over every axis of ``ctx``; ``per_slot`` is not changed."""
+    slots on every data rank) over ``over``, the ranks the pieces are spread over (default:
+    every replica). Collective over every axis of ``ctx``; ``per_slot`` is not changed."""
     per_slot = per_slot.clone()
-    comm.all_reduce(per_slot, ctx.replicas)
+    comm.all_reduce(per_slot, over if over is not None else ctx.replicas)
     stage = ctx.local_rank("pipeline")
     members: dict[tuple[str, ...], list[int]] = defaultdict(list)
     for i, placement in enumerate(zero_slots):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.config import load_config, parallel_dims
-from tessera.context import ParallelContext, ParallelDims
+from tessera.context import ParallelContext, ParallelDims, hosts
 from tessera.session import set_session
 from tessera.testing.draws import (
     Draw,
@@ -25,8 +25,11 @@ from tessera.testing.draws import (
 from tessera.testing.pool import PoolSet, RankFailure, RankPool, free_port
 from tessera.testing.tolerance import tolerance, within
 
-# (job ranks, or None for the whole job; layout; device) -> the context, None on a rank outside
-_contexts: dict[tuple[tuple[int, ...] | None, ParallelDims, torch.device], ParallelContext | None] = {}
+# (job ranks, or None for the whole job; layout; device; the job's hosts as discovered) -> the
+# context, None on a rank outside. A context keeps the hosts it was built under (its groups by
+# host follow them), so a test that simulates hosts (``hosts.discover(hostname=...)``) gets its own.
+_ContextKey = tuple[tuple[int, ...] | None, ParallelDims, torch.device, tuple[int, ...] | None]
+_contexts: dict[_ContextKey, ParallelContext | None] = {}
 
 
 @overload
@@ -88,7 +91,8 @@ def use_layout(
 ) -> ParallelContext | None:
     """Make a context for this layout current on this rank (built once per pool, then reused).
 
-    Collective the first time: every rank of the pool must ask for the same layout. With
+    Collective the first time: every rank of the pool must ask for the same layout (a context
+    is cached per layout and per hosts map, :func:`tessera.context.hosts.discover`). With
     ``config`` (anything ``load_config`` takes) that config becomes the current run's, as after
     ``tessera.launch``; its ``parallel`` section must describe the same layout.
     ``sequence_parallel``, ``keep_blocks`` and ``sequence_mode`` left None are the config's
@@ -120,7 +124,7 @@ def use_layout(
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    key = (chosen, groups_key, device)
+    key = (chosen, groups_key, device, hosts.host_of())
     if key not in _contexts:
         if chosen is None:
             _contexts[key] = ParallelContext(groups_key, device=device, seed=seed)

@@ -106,7 +106,10 @@ class DeviceResidence(Residence):
 
     def grad_norm(self) -> torch.Tensor:
         """From the pieces' gradients as they are now (after any scaling)."""
-        return global_grad_norm(self._all_pieces(), self.sharded.ctx, zero_slots=self.sharded.slot_placements)
+        sharded = self.sharded
+        return global_grad_norm(
+            self._all_pieces(), sharded.ctx, zero_slots=sharded.slot_placements, zero_group=sharded.group
+        )
 
     def scale_gradients(self, factor: torch.Tensor | float) -> None:
         grads = [p.grad for p in self._all_pieces() if p.grad is not None]

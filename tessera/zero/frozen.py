@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from tessera import comm
+from tessera.comm import AxisGroup
 from tessera.context import ParallelContext
 from tessera.context.placement import update_placement
 from tessera.context.reduction import gradient_reduction
@@ -66,7 +67,9 @@ class FrozenStore:
     stay where they are, as under ZeRO stages 1 and 2) in released chunks of at most
     ``chunk_numel`` elements, each tensor now a view into its chunk (see the module docstring).
     ``storage``: the owner the tensors' placements name (it gathers and loads them);
-    ``chunk_type``: the chunks' class (Gemini's tiered chunk)."""
+    ``chunk_type``: the chunks' class (Gemini's tiered chunk); ``group``: the group every tensor
+    is sharded over (hybrid sharding: the replicas on this rank's host; default: each tensor's
+    gradient reduction's)."""
 
     def __init__(
         self,
@@ -77,15 +80,17 @@ class FrozenStore:
         chunk_numel: int,
         storage: Any,
         chunk_type: type[Chunk] = Chunk,
+        group: AxisGroup | None = None,
     ) -> None:
         self.tensors = [t for _, t in named]
         self.slot_of: dict[int, tuple[Chunk, Slot]] = {}
-        groups = [gradient_reduction(ctx, t).group for t in self.tensors]  # experts shard as their gradients would
+        # experts shard as their gradients would be reduced, unless a group is given
+        groups = [group if group is not None else gradient_reduction(ctx, t).group for t in self.tensors]
         labels = packing_labels(model, [k for k, _ in named], [id(g) for g in groups])
         adopt = adopting(self.tensors, self.slot_of, storage)
         self.store = ChunkStore(
-            named, ctx.replicas, chunk_numel=chunk_numel, bins=labels, on_close=adopt, device=ctx.device,
-            groups=groups, chunk_type=chunk_type,
+            named, group if group is not None else ctx.replicas, chunk_numel=chunk_numel, bins=labels,
+            on_close=adopt, device=ctx.device, groups=groups, chunk_type=chunk_type,
         ) if named else None  # fmt: skip
         self.chunks: list[Chunk] = self.store.chunks if self.store is not None else []
         # stable tensors for checkpoints (a listing keeps them): each views its range of a shard

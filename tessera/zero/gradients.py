@@ -4,7 +4,9 @@ With ``reduce_in_backward`` (ZeRO stages 2 and 3, Gemini) a hook takes each para
 as soon as it is accumulated into its chunk's bucket; a complete bucket is reduce-scattered
 asynchronously over the chunk's group (two in flight at most, overlapping the rest of the
 backward) and the residence adds this rank's shard of the average to the chunk's gradients, and
-a released chunk's parameters may go. Without it (stage 1) full gradients stay until the step
+a released chunk's parameters may go. Under hybrid sharding (``tessera.zero.hybrid``) the chunk's
+group is the replicas of this rank's host, and each arrived shard is then all-reduced between the
+hosts. Without it (stage 1) full gradients stay until the step
 and are reduced then, chunk by chunk. An expert chunk's group holds part of the replicas (the
 other expert ranks hold other experts): its sum is divided by all of them.
 """
@@ -17,7 +19,7 @@ import torch
 from torch import nn
 
 from tessera import comm
-from tessera.comm import Pending
+from tessera.comm import AxisGroup, Pending
 from tessera.context import ParallelContext
 from tessera.context.reduction import Reduction
 from tessera.memory.chunks import Chunk, Slot
@@ -61,6 +63,7 @@ class GradientPipeline:
     element_size: int
     overlap_comm: bool
     reductions: dict[int, Reduction]  # chunk index -> how its gradients are reduced
+    across: AxisGroup | None  # hybrid sharding: the ranks holding this rank's shards on the other hosts
     _slot_of: dict[int, tuple[Chunk, Slot]]
     _release: ReleaseOnUse | None
 
@@ -140,13 +143,14 @@ class GradientPipeline:
             chunk.release()  # its gradients are complete: gathered again when next used
 
     def _start_reduction(self, chunk: Chunk, bucket: torch.Tensor) -> None:
-        """Start the average of ``chunk``'s gradients (``bucket``) over all the replicas. An
-        expert chunk's group holds a part of them (the other expert ranks hold other experts):
-        its sum is divided by all of them."""
+        """Start the average of ``chunk``'s gradients (``bucket``) over all the replicas: over
+        the chunk's group, then (hybrid sharding) over the hosts, when it arrives. An expert
+        chunk's group holds a part of them (the other expert ranks hold other experts): its sum
+        is divided by all of them."""
         out = torch.empty(chunk.shard_numel, dtype=self.param_dtype, device=bucket.device)
         reduction = self.reductions[chunk.index]
         pending = comm.reduce_scatter_into(
-            out, bucket, reduction.group, op="avg", async_op=True, divide_by=reduction.after_average
+            out, bucket, chunk.group, op="avg", async_op=True, divide_by=reduction.after_average
         )
         self._in_flight.append((chunk, pending, bucket))
 
@@ -157,6 +161,8 @@ class GradientPipeline:
             chunk, pending, bucket = self._in_flight.pop(0)
             out = pending.wait()
             del bucket
+            if self.across is not None:  # hybrid sharding: the same shard on every host
+                comm.all_reduce(out, self.across, op="avg")
             self.residence.add_gradient(chunk, out)
             self.residence.bucket_closed(chunk, self._bucket_bytes(chunk))
 

@@ -35,11 +35,14 @@ class ZeroPolicy:
 class ZeroOptions:
     """The sharded optimizer's settings: the stage's policy, the parameters' dtype
     (``"fp32"``, ``"bf16"``, ``"fp16"``), the chunk capacity in MiB (a chunk is also the unit
-    of a gradient reduction), whether gradient reductions overlap the backward pass, and where
-    fp32 masters and optimizer states live (``"none"``: the device; ``"cpu"``: host memory)."""
+    of a gradient reduction), whether gradient reductions overlap the backward pass, where
+    fp32 masters and optimizer states live (``"none"``: the device; ``"cpu"``: host memory), and
+    which replicas share the shards (``"all"``; ``"host"``: those of each host, the shards repeated
+    on every host: ``tessera.zero.hybrid``)."""
 
     policy: ZeroPolicy
     precision: str = "fp32"
     chunk_mb: float = 25.0
     overlap_comm: bool = True
     offload: str = "none"
+    shard: str = "all"

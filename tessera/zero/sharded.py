@@ -40,6 +40,7 @@ from tessera.memory.search import packing_labels
 from tessera.optim.wrapping import WrapsOptimizer, optimizer_entries
 from tessera.zero.frozen import FrozenStore, adopting, frozen_tensors
 from tessera.zero.gradients import GradientPipeline, GradientSink
+from tessera.zero.hybrid import host_split
 from tessera.zero.policy import ZeroPolicy
 
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -120,7 +121,8 @@ class ShardedOptimizer(GradientPipeline, WrapsOptimizer):
     """The user's ``optimizer`` over ``model``'s parameters sharded over ``ctx``'s data axis, per
     ``policy`` and ``residence`` (see the module docstring); ``precision``: the parameters'
     dtype (``"fp32"``, ``"bf16"``, ``"fp16"``; masters stay fp32); ``overlap_comm``: whether
-    two reductions stay in flight while the backward goes on.
+    two reductions stay in flight while the backward goes on; ``shard``: ``"all"`` replicas share
+    the shards, or ``"host"``, those of each host (:mod:`tessera.zero.hybrid`).
 
     Behaves like a ``torch.optim.Optimizer`` for the engine and for LR schedulers
     (``param_groups``, ``state``, ``step``, ``zero_grad``, ``state_dict``); its parameter groups
@@ -139,11 +141,15 @@ class ShardedOptimizer(GradientPipeline, WrapsOptimizer):
         residence: Residence,
         precision: str = "fp32",
         overlap_comm: bool = True,
+        shard: str = "all",
     ) -> None:
         self.policy = policy
         self.residence = residence
         self.ctx = ctx
-        self.group = ctx.replicas
+        # zero.shard="host": shards over the replicas of this rank's host, all-reduced across hosts
+        split = host_split(ctx, shard)
+        self.group = split.inside if split is not None else ctx.replicas
+        self.across = split.across if split is not None else None
         self.optimizer = optimizer
         self.overlap_comm = overlap_comm
         self.param_dtype = PARAM_DTYPES[precision]
@@ -174,7 +180,7 @@ class ShardedOptimizer(GradientPipeline, WrapsOptimizer):
         numels: list[int],
     ) -> None:
         ctx, policy, residence = self.ctx, self.policy, self.residence
-        groups = [r.group for r in reductions]
+        groups = [r.group if self.across is None else self.group for r in reductions]  # no experts: the rules
         sizes = [g.size for g in groups]
         self.chunk_numel = residence.plan(self, numels, self.labels, sizes)
         self._slot_of: dict[int, tuple[Chunk, Slot]] = {}
@@ -193,7 +199,8 @@ class ShardedOptimizer(GradientPipeline, WrapsOptimizer):
         # under parameter release the frozen tensors are sharded and released too (no gradient, master or state)
         frozen = frozen_tensors(model) if policy.release_parameters else []
         self.frozen = FrozenStore(frozen, model, ctx, chunk_numel=self.chunk_numel, storage=self,
-                                  chunk_type=residence.chunk_type)  # fmt: skip
+                                  chunk_type=residence.chunk_type,
+                                  group=self.group if self.across is not None else None)  # fmt: skip
         residence.attach_frozen(self.frozen)
         frozen_ids = {id(c) for c in self.frozen.chunks}
         self._release = (
@@ -223,9 +230,7 @@ class ShardedOptimizer(GradientPipeline, WrapsOptimizer):
                 piece = nn.Parameter(self.residence.piece_data(chunk, start, end))
                 # how the parameter is split and which stage owns it, plus the slot of the piece
                 inherited = placement_of(entries[slot.index][1])
-                set_placement(
-                    piece, replace(inherited, mesh=self.ctx, zero=ZeroSlot(slot.index, total, tuple(slot.shape)))
-                )
+                set_placement(piece, replace(inherited, mesh=self.ctx, zero=self._slot(slot.index, total, slot.shape)))
                 pieces.append((piece, slot, start, end))
                 groups[self._chunk_bin[chunk.index]].append(piece)
             self.pieces.append(pieces)
@@ -233,7 +238,7 @@ class ShardedOptimizer(GradientPipeline, WrapsOptimizer):
         # collectives (LAMB, LARS) through one empty piece.
         where = self.residence.piece_data(self.chunks[0], 0, 0).device  # where the pieces are stepped
         self.empty = nn.Parameter(torch.zeros(0, device=where))
-        set_placement(self.empty, Placement(mesh=self.ctx, zero=ZeroSlot(0, total, tuple(entries[0][1].shape))))
+        set_placement(self.empty, Placement(mesh=self.ctx, zero=self._slot(0, total, entries[0][1].shape)))
         if not any(groups):
             groups[0].append(self.empty)
         # What the gradient norm needs of every parameter (the same on every data rank).
@@ -241,6 +246,9 @@ class ShardedOptimizer(GradientPipeline, WrapsOptimizer):
         self.optimizer.state.clear()
         for group, params in zip(self.optimizer.param_groups, groups):
             group["params"] = params
+
+    def _slot(self, index: int, count: int, shape: torch.Size) -> ZeroSlot:
+        return ZeroSlot(index, count, tuple(shape), within_host=self.across is not None)
 
     @property
     def releases_parameters(self) -> bool:

@@ -110,6 +110,7 @@ class Zero(Sharded):
     ) -> None:
         residence = DeviceResidence(options.chunk_mb, options.offload)
         sharded = ShardedOptimizer(module, optimizer, ctx, policy=options.policy, residence=residence,
-                                   precision=options.precision, overlap_comm=options.overlap_comm)  # fmt: skip
+                                   precision=options.precision, overlap_comm=options.overlap_comm,
+                                   shard=options.shard)  # fmt: skip
         super().__init__(module, sharded)
         self.name = f"zero{options.policy.stage}"

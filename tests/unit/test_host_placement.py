@@ -12,6 +12,7 @@ import pytest
 from tessera.config import load_config, parallel_dims
 from tessera.context import hosts
 from tessera.context.dims import group_table
+from tessera.errors import ConfigError
 
 TWO_HOSTS = (0, 0, 0, 0, 1, 1, 1, 1)  # 2 hosts x 4 ranks
 
@@ -82,3 +83,41 @@ def test_a_sequence_group_across_hosts_is_named_too():
     # interleaved hosts (a cyclic placement): even a 2-rank tensor group crosses
     dims = dims_of(dict(data=4, tensor=dict(size=2)))
     assert set(hosts.crossing(dims, range(8), (0, 1) * 4)) == {"tensor"}
+
+
+# ---- hybrid sharding's groups (zero.shard="host") ------------------------------------------------
+
+
+def test_data_groups_split_by_host_into_shard_groups_and_their_replicas():
+    host = TWO_HOSTS.__getitem__
+    # dp8 over 2 hosts x 4: each host's 4 data ranks shard; ranks at the same place on both hosts all-reduce
+    inside, across = hosts.split_by_host([tuple(range(8))], host, "zero.shard='host'")
+    assert inside == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert across == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    # tp2 x dp4: the data groups (0, 2, 4, 6) and (1, 3, 5, 7) each split in two
+    dims = dims_of(dict(data=4, tensor=dict(size=2)))
+    inside, across = hosts.split_by_host(group_table(dims, "data"), host, "zero.shard='host'")
+    assert inside == [(0, 2), (4, 6), (1, 3), (5, 7)]
+    assert across == [(0, 4), (2, 6), (1, 5), (3, 7)]
+    # one host: the data groups themselves, and nothing across
+    inside, across = hosts.split_by_host([tuple(range(8))], lambda r: 0, "zero.shard='host'")
+    assert inside == [tuple(range(8))] and across == [(r,) for r in range(8)]
+
+
+@pytest.mark.parametrize(
+    "host_of,words",
+    [
+        (
+            (0, 0, 0, 1, 1, 1, 1, 1),
+            "spread unevenly over hosts (host 0: ranks [0, 1, 2], host 1: ranks [3, 4, 5, 6, 7])",
+        ),
+        (
+            (0, 1, 2, 3, 4, 5, 6, 7),
+            "each host holds one rank of every data group, so sharding inside a host shards nothing",
+        ),
+    ],
+)
+def test_data_ranks_spread_unevenly_or_one_a_host_are_refused(host_of, words):
+    with pytest.raises(ConfigError, match="zero.shard='host'") as caught:
+        hosts.split_by_host([tuple(range(8))], host_of.__getitem__, "zero.shard='host'")
+    assert words in str(caught.value)

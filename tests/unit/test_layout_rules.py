@@ -162,6 +162,19 @@ CASES: dict[str, Case] = {
         layout=dict(pipeline=2, microbatches=2, zero=2),
         plan_set=("parallel.pipeline.size=2", "zero.stage=2"),
     ),
+    "host_shard_needs_sharding": Case(Combination(host_shard=True), {"zero": {"shard": "host"}}),
+    "host_shard_without_experts": Case(
+        Combination(data=4, expert=2, zero=3, host_shard=True),
+        {"parallel": {"data": 4, "expert": 2}, "zero": {"stage": 3, "shard": "host"}},
+        dims=dict(world_size=4, data=4, expert=2),
+        options=TrainingOptions(zero=ZeroOptions(policy=ZeroPolicy.for_stage(3), shard="host")),
+    ),
+    "host_shard_without_pipeline": Case(
+        Combination(pipeline=2, zero=1, host_shard=True),
+        {"parallel": {"pipeline": 2}, "zero": {"stage": 1, "shard": "host"}},
+        dims=dict(world_size=2, pipeline=2),
+        options=TrainingOptions(zero=ZeroOptions(policy=ZeroPolicy.for_stage(1), shard="host")),
+    ),
 }
 
 
