@@ -300,6 +300,22 @@ def broadcast_object(obj: Any, group: Group, src: int = 0) -> Any:
     return box[0]
 
 
+@eager_in_compiled_code
+def all_gather_object(obj: Any, group: Group) -> list[Any]:
+    """Every member's picklable ``obj``, in member order."""
+    g = resolve(group)
+    if g.size == 1:
+        return [obj]
+    out: list[Any] = [None] * g.size
+    record("all_gather", g.name, g.size, 0)
+    entered = enter("all_gather", g)
+    try:  # waits inside torch, under the process-group timeout
+        dist.all_gather_object(out, obj, group=g.pg)
+    except RuntimeError as exc:
+        raise failure(exc, "all_gather", g, entered, "the process-group timeout") from exc
+    return out
+
+
 # ---- point to point ------------------------------------------------------------------------
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from tessera import comm
 from tessera.comm import AxisGroup
 from tessera.context.dims import AxisSpec, ParallelDims, group_table
 from tessera.errors import ConfigError
@@ -53,9 +54,8 @@ def discover(hostname: str | None = None) -> tuple[int, ...]:
     global _host_of, _hostnames
     mine = hostname if hostname is not None else socket.gethostname()
     if dist.is_initialized() and dist.get_world_size() > 1:
-        names: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(names, mine)
-        _hostnames = tuple(str(n) for n in names)
+        world = AxisGroup("world", tuple(range(dist.get_world_size())), dist.get_rank(), dist.group.WORLD)
+        _hostnames = tuple(str(n) for n in comm.all_gather_object(mine, world))
     else:
         _hostnames = (mine,)
     _host_of = host_indices(_hostnames)
