@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from tessera.config import load_config, parallel_dims
-from tessera.context import ParallelContext, ParallelDims, hosts
+from tessera.context import ParallelContext, ParallelDims
+from tessera.context import hosts as host_map
 from tessera.session import set_session
 from tessera.testing.draws import (
     Draw,
@@ -124,7 +125,7 @@ def use_layout(
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    key = (chosen, groups_key, device, hosts.host_of())
+    key = (chosen, groups_key, device, host_map.host_of())
     if key not in _contexts:
         if chosen is None:
             _contexts[key] = ParallelContext(groups_key, device=device, seed=seed)
