@@ -25,7 +25,15 @@ import torch
 import torch.distributed as dist
 
 from tessera import comm
-from tessera.config import Config, ConfigSource, load_config, parallel_dims, require_available, resolve_auto
+from tessera.config import (
+    Config,
+    ConfigSource,
+    load_config,
+    parallel_dims,
+    require_available,
+    resolve_auto,
+    resolve_batch,
+)
 from tessera.context import ParallelContext, hosts, seed_all
 from tessera.engine.lifecycle import close_open_engines
 from tessera.errors import ConfigError, TesseraError
@@ -70,6 +78,7 @@ def launch(
     # parallel="auto": every rank makes the same plan; rank 0 says what it chose and why
     cfg = resolve_auto(cfg, world_size, announce=_announce if rank == 0 else None)
     dims = parallel_dims(cfg, world_size)  # fails before any process group starts
+    cfg = resolve_batch(cfg, dims.data_size)  # data.global_batch_size: the micro-batches a step on this world
     backend = resolve_backend(backend or cfg.launch.backend)
     local_rank = rank if local_rank is None else local_rank
 
@@ -213,7 +222,8 @@ def _dry_validation(config: ConfigSource, overrides: Sequence[str], request: Map
     try:
         cfg = load_config(config, overrides)
         world_size = int(str(request["world_size"]))
-        parallel_dims(resolve_auto(cfg, world_size), world_size)
+        resolved = resolve_auto(cfg, world_size)
+        resolve_batch(resolved, parallel_dims(resolved, world_size).data_size)
         require_available(cfg)
     except TesseraError as exc:
         verdict = {"ok": False, "error": str(exc), "type": type(exc).__name__}

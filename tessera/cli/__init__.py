@@ -275,6 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument("--rdzv-backend", default=None, metavar="c10d", help="dynamic rendezvous backend")
     hosts.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="the rendezvous (dynamic)")
     hosts.add_argument("--rdzv-id", default=None, metavar="ID", help="the job's id, the same on every host")
+    hosts.add_argument("--rdzv-conf", default=None, metavar="K=V,...", help="rendezvous settings (last_call_timeout=2)")
+    hosts.add_argument(
+        "--max-restarts", type=int, default=None, metavar="N",
+        help="restart the ranks up to N times after a failure (with --nnodes MIN:MAX, on the hosts left); "
+        "with trainer.resume=auto they continue from the newest checkpoint",
+    )  # fmt: skip
     train.set_defaults(func=_cmd_train)
     planning.add_parser(sub)
 

@@ -40,10 +40,11 @@ def check_overrides(items: Sequence[str], following: Sequence[str] = ()) -> None
 def check_world(config: Any, world_size: int, started: str) -> None:
     """The layout of ``config`` on ``world_size`` ranks, or the ConfigError that says why not
     (and where the world size came from: ``started``)."""
-    from tessera.config import parallel_dims, require_available, resolve_auto
+    from tessera.config import parallel_dims, require_available, resolve_auto, resolve_batch
 
     try:
-        parallel_dims(resolve_auto(config, world_size), world_size)  # parallel="auto": a layout must fit
+        resolved = resolve_auto(config, world_size)  # parallel="auto": a layout must fit
+        resolve_batch(resolved, parallel_dims(resolved, world_size).data_size)
     except ConfigError as exc:
         raise ConfigError(f"{exc} ({started})") from None
     require_available(config)
@@ -138,10 +139,13 @@ def cmd_train(args: Any) -> int:
     nproc = args.nproc_per_node or cfg.launch.nproc_per_node
     given = "--nproc-per-node" if args.nproc_per_node else "launch.nproc_per_node; change it with --nproc-per-node"
     world_opts = host_options(args)
-    nnodes = _option(world_opts, "--nnodes") or "1"
-    if nnodes.isdigit() and int(nnodes) > 1:
-        check_world(cfg, nproc * int(nnodes), f"tessera train starts {nproc * int(nnodes)} processes: "
-                    f"{nproc} ({given}) on each of --nnodes {nnodes} hosts")  # fmt: skip
+    nnodes = (_option(world_opts, "--nnodes") or "1").split(":")
+    if not all(n.isdigit() and int(n) >= 1 for n in nnodes) or len(nnodes) > 2:
+        raise ConfigError(f"tessera train: --nnodes {':'.join(nnodes)} is not a number of hosts (N, or MIN:MAX)")
+    if int(nnodes[-1]) > 1:
+        for hosts in dict.fromkeys(int(n) for n in nnodes):  # each world the job may run on
+            check_world(cfg, nproc * hosts, f"tessera train starts {nproc * hosts} processes: "
+                        f"{nproc} ({given}) on each of {hosts} host(s)")  # fmt: skip
         if not args.output_dir:
             raise ConfigError(
                 "tessera train across hosts needs --output-dir: one run folder that every host names the same "
@@ -159,7 +163,8 @@ def cmd_train(args: Any) -> int:
         run_dir = resumed.parent.parent  # the run goes on in its own folder
     else:
         run_dir = default_run_dir(cfg)
-    argv = [*(world_opts or ["--standalone"]), "--nproc-per-node", str(nproc)]
+    one_host = _option(world_opts, "--nnodes") is None
+    argv = [*(["--standalone"] if one_host else []), *world_opts, "--nproc-per-node", str(nproc)]
     argv += ["-m", "tessera.cli.rank", "--module", "tessera.train"]
     argv += ["--", "--run-dir", str(run_dir)]
     if args.config is not None:
@@ -169,7 +174,8 @@ def cmd_train(args: Any) -> int:
     return start_ranks(argv, run_dir, "train", {})
 
 
-_HOST_OPTIONS = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint", "rdzv_id")
+_HOST_OPTIONS = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint", "rdzv_id",
+                 "rdzv_conf", "max_restarts")  # fmt: skip
 
 
 def host_options(args: Any) -> list[str]:
@@ -177,11 +183,11 @@ def host_options(args: Any) -> list[str]:
     given = {name: getattr(args, name, None) for name in _HOST_OPTIONS}
     given = {name: value for name, value in given.items() if value is not None}
     static = {"node_rank", "master_addr", "master_port"} & set(given)
-    dynamic = {"rdzv_backend", "rdzv_endpoint", "rdzv_id"} & set(given)
+    dynamic = {"rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf"} & set(given)
     if static and dynamic:
         raise ConfigError("tessera train: give --node-rank/--master-addr/--master-port (a static rendezvous) or "
                           "--rdzv-backend/--rdzv-endpoint/--rdzv-id (a dynamic one), not both")  # fmt: skip
-    if given and "nnodes" not in given:
+    if set(given) - {"max_restarts"} and "nnodes" not in given:
         raise ConfigError("tessera train: a job across hosts needs --nnodes (the number of hosts)")
     return [f"--{name.replace('_', '-')}={value}" for name, value in given.items()]
 

@@ -1,7 +1,7 @@
 """Typed configuration: load a ``.py``, YAML, TOML or JSON file (or a dict), validate it, and
 fail early with a message that names the key. See docs/config.md."""
 
-from tessera.config.auto import resolve_auto
+from tessera.config.auto import resolve_auto, resolve_batch
 from tessera.config.loading import (
     ConfigSource,
     apply_overrides,
@@ -63,5 +63,6 @@ __all__ = [
     "render_docs",
     "require_available",
     "resolve_auto",
+    "resolve_batch",
     "unavailable_features",
 ]

@@ -129,3 +129,38 @@ def resolve_auto(
     if announce is not None:
         announce(f'tessera: parallel="auto" on {world_size} ranks chose ' + result.summary())
     return apply_layout(config, best.layout)
+
+
+def resolve_batch(config: Config, data_ranks: int) -> Config:
+    """``config`` with ``gradient_accumulation`` (with a pipeline: ``parallel.pipeline.microbatches``)
+    chosen so that a step takes ``data.global_batch_size`` samples over ``data_ranks`` ranks of
+    ``data.micro_batch_size`` each; ``config`` itself when no global batch is set. ConfigError
+    when the global batch is not a whole number of micro-batches of all data ranks, or when the
+    config also names another count of micro-batches."""
+    wanted = config.data.global_batch_size
+    if wanted is None:
+        return config
+    micro = config.data.micro_batch_size
+    per_step, rest = divmod(wanted, micro * data_ranks)
+    if rest or per_step < 1:
+        raise ConfigError(
+            f"data.global_batch_size={wanted} is not a whole number of micro-batches of data.micro_batch_size="
+            f"{micro} on {data_ranks} data rank(s) ({micro * data_ranks} samples each): choose a global batch that "
+            f"{micro * data_ranks} divides, or another micro_batch_size"
+        )
+    pipeline = config.parallel.pipeline
+    if pipeline.size > 1:
+        if pipeline.microbatches not in (None, per_step):
+            raise ConfigError(
+                f"data.global_batch_size={wanted} takes {per_step} micro-batches a step on {data_ranks} data rank(s), "
+                f"and parallel.pipeline.microbatches={pipeline.microbatches} names another number: set one of them"
+            )
+        return dataclasses.replace(
+            config, parallel=dataclasses.replace(
+                config.parallel, pipeline=dataclasses.replace(pipeline, microbatches=per_step)))  # fmt: skip
+    if config.gradient_accumulation not in (1, per_step):
+        raise ConfigError(
+            f"data.global_batch_size={wanted} takes {per_step} micro-batches a step on {data_ranks} data rank(s), "
+            f"and gradient_accumulation={config.gradient_accumulation} names another number: set one of them"
+        )
+    return dataclasses.replace(config, gradient_accumulation=per_step)

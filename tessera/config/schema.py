@@ -497,6 +497,12 @@ class DataConfig:
         None, "Tokens per sample; None: the model's max_seq_len (hf: its max_position_embeddings, at most 1024)."
     )
     micro_batch_size: int = _field(16, "Samples per rank per micro-step (global batch = this x data x accumulation).")
+    global_batch_size: int | None = _field(
+        None,
+        "Samples per optimizer step over all data ranks; set, it decides gradient_accumulation (a pipeline's "
+        "micro-batches) on whatever world the job gets, so an elastic job restarted on fewer ranks keeps its "
+        "global batch. None: micro_batch_size x data ranks x gradient_accumulation.",
+    )
     max_bytes: int = _field(4 * 2**20, "Bytes of corpus to read.")
     eval_fraction: float = _field(0.05, "Share of the corpus (its end) held out for evaluation.")
     shuffle: bool = _field(True, "Shuffle the training samples each epoch (the same order on every rank).")
@@ -508,6 +514,8 @@ class DataConfig:
             raise ConfigError(f"{path}files is read only with {path}name='text_files' (name is {self.name!r})")
         if self.seq_len is not None and self.seq_len < 1:
             raise ConfigError(f"{path}seq_len={self.seq_len} must be at least 1")
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            raise ConfigError(f"{path}global_batch_size={self.global_batch_size} must be at least 1 (or None)")
         if self.micro_batch_size < 1 or self.max_bytes < 1:
             raise ConfigError(f"{path}micro_batch_size and max_bytes must be at least 1")
         if not 0.0 < self.eval_fraction < 1.0:

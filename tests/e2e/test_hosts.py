@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tessera.testing import hosts as nshosts
 from tessera.testing.pool import free_port
@@ -20,6 +21,7 @@ from tests.e2e.test_cli import run, tessera_cmd
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "hosts_layouts.py"
+ELASTIC = ROOT / "tests" / "e2e" / "scripts" / "elastic_train.py"
 LAYOUTS = ("dp4", "tp2-dp2", "pp2-tp2", "zero3-dp4", "sp2-ring-dp2")
 TIMEOUT = 300
 
@@ -112,3 +114,38 @@ def test_train_across_hosts_needs_its_rendezvous_and_one_run_folder(tmp_path):
     assert out.returncode != 0 and "needs --nnodes" in out.stderr
     out = run([*tessera_cmd(), "train", "--nnodes", "2", "--node-rank", "0", "--rdzv-backend", "c10d"], timeout=60)
     assert out.returncode != 0 and "not both" in out.stderr
+
+
+def test_a_lost_host_leaves_the_other_to_finish_from_the_last_checkpoint_on_fewer_ranks(hosts, tmp_path):
+    """`tessera run --nnodes 1:2 --max-restarts 1` on two hosts; at step 12 host 1 is lost (its
+    agent and ranks SIGKILLed); host 0's agent restarts its ranks alone, they load step 10's
+    checkpoint into a world of 2 (ZeRO-1 resharded, the global batch kept by accumulating 2
+    micro-batches) and finish 20 steps: the weights of 10 steps on 4 ranks, saved, then 10 on 2."""
+    port, elastic = free_port(), tmp_path / "elastic"
+    procs = []
+    for k in range(hosts.count):
+        argv = nshosts.torchrun_argv(
+            [str(ELASTIC), str(elastic), "20", hosts.hostnames[1], "12"], nnodes="1:2", nproc_per_node=2,
+            node_rank=None, master=hosts.hostnames[0], port=port, rendezvous="c10d", run_id=f"elastic-{port}",
+            extra=["--max-restarts", "1", "--rdzv-conf", "last_call_timeout=5", "--no-dry-run",
+                   "--run-dir", str(tmp_path / f"logs{k}")],
+        )  # fmt: skip
+        procs.append(hosts.popen(k, argv, env=env(), cwd=ROOT))
+    survivor, lost = nshosts.Hosts.wait(procs, TIMEOUT)
+    assert survivor.returncode == 0, survivor.stdout + survivor.stderr
+    assert lost.returncode == -9 and "SIGKILLed at step 12" in lost.stderr, lost.stderr
+    first, second = (json.loads((elastic / f"attempt-{n}.json").read_text()) for n in (0, 1))
+    assert (first["world_size"], second["world_size"]) == (4, 2), "the hosts met in the first round, one in the second"
+    finished = json.loads((elastic / "finished.json").read_text())
+    assert (finished["first_step"], finished["last_step"], finished["accumulation"]) == (11, 20, 2)
+    # the reference: 10 steps on 4 ranks on one host, saved; 10 more on 2 ranks from that checkpoint
+    reference = tmp_path / "reference"
+    for ranks, steps in ((4, 10), (2, 20)):
+        out = run([*tessera_cmd(), "run", "--nproc-per-node", str(ranks), "--no-dry-run", str(ELASTIC), str(reference),
+                   str(steps)], env={"PYTHONPATH": str(ROOT)}, timeout=TIMEOUT)  # fmt: skip
+        assert out.returncode == 0, out.stdout + out.stderr
+    assert json.loads((reference / "finished.json").read_text())["first_step"] == 11
+    ours, theirs = (load_file(str(d / "final.safetensors")) for d in (elastic, reference))
+    assert ours.keys() == theirs.keys()
+    for key, value in theirs.items():
+        assert torch.equal(ours[key], value), key  # bitwise

@@ -121,3 +121,25 @@ def test_data_ranks_spread_unevenly_or_one_a_host_are_refused(host_of, words):
     with pytest.raises(ConfigError, match="zero.shard='host'") as caught:
         hosts.split_by_host([tuple(range(8))], host_of.__getitem__, "zero.shard='host'")
     assert words in str(caught.value)
+
+
+def test_a_global_batch_decides_the_micro_batches_of_each_world():
+    from tessera.config import load_config, resolve_batch
+    from tessera.errors import ConfigError
+
+    cfg = load_config({"data": {"micro_batch_size": 4, "global_batch_size": 16}})
+    assert resolve_batch(cfg, 4).gradient_accumulation == 1
+    assert resolve_batch(cfg, 2).gradient_accumulation == 2  # an elastic job on half the ranks
+    assert resolve_batch(cfg, 1).gradient_accumulation == 4
+    with pytest.raises(ConfigError, match="not a whole number of micro-batches"):
+        resolve_batch(cfg, 3)
+    with pytest.raises(ConfigError, match="gradient_accumulation=3 names another number"):
+        resolve_batch(
+            load_config({"data": {"micro_batch_size": 4, "global_batch_size": 16}, "gradient_accumulation": 3}), 2
+        )
+    piped = load_config(
+        {"data": {"micro_batch_size": 2, "global_batch_size": 16}, "parallel": {"pipeline": {"size": 2}}}
+    )
+    assert resolve_batch(piped, 2).parallel.pipeline.microbatches == 4
+    unset = load_config({})
+    assert resolve_batch(unset, 2) is unset
