@@ -75,18 +75,19 @@ def available() -> str | None:
 def missing_tools(packages: Sequence[str]) -> str | None:
     """None when the commands of ``packages`` (keys of :data:`SYSTEM_PACKAGES`) are installed,
     else what is missing and the command that installs it."""
-    lacking = [p for p in packages if any(_which(tool) is None for tool in SYSTEM_PACKAGES[p])]
+    lacking = [p for p in packages if any(find_tool(tool) is None for tool in SYSTEM_PACKAGES[p])]
     if not lacking:
         return None
-    tools = [tool for p in lacking for tool in SYSTEM_PACKAGES[p] if _which(tool) is None]
+    tools = [tool for p in lacking for tool in SYSTEM_PACKAGES[p] if find_tool(tool) is None]
     return (
         f"{', '.join(tools)} not installed: run `make setup` as root, or `{INSTALL} {' '.join(lacking)}` "
         "(Debian/Ubuntu; on other systems the same packages of OpenMPI, Slurm and munge)"
     )
 
 
-def _which(tool: str) -> str | None:
-    # daemons live in sbin, which a user's PATH may lack
+def find_tool(tool: str) -> str | None:
+    """The path of the command ``tool``: on PATH, else in the sbin folders (where daemons live,
+    which a user's PATH may lack)."""
     return shutil.which(tool) or shutil.which(tool, path="/usr/sbin:/usr/local/sbin:/sbin")
 
 
@@ -275,6 +276,7 @@ __all__ = [
     "Hosts",
     "HostsUnavailable",
     "available",
+    "find_tool",
     "missing_tools",
     "torchrun_argv",
 ]

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from tessera.testing.hosts import Hosts
+from tessera.testing.hosts import Hosts, find_tool
 
 #: job states after which a job no longer runs
 FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL")
@@ -97,6 +97,7 @@ class SlurmCluster:
     # ---- the daemons -------------------------------------------------------------------------
 
     def _start(self, label: str, argv: Sequence[str], host: int | None = None) -> None:
+        argv = [find_tool(argv[0]) or argv[0], *argv[1:]]  # daemons live in sbin
         log = open(self.folder / f"{label}.out", "wb")  # closed in close()
         command = list(argv) if host is None else self.hosts.command(host, argv)
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env(),

@@ -35,7 +35,7 @@ def needed() -> str | None:
     """Why these tests cannot run here, or None."""
     why = nshosts.available()
     if why is not None:
-        return f"namespace hosts: {why} (run the tests as root)"
+        return f"namespace hosts cannot be made here: {why}"
     return nshosts.missing_tools(list(nshosts.SYSTEM_PACKAGES))
 
 
@@ -215,7 +215,7 @@ def test_make_setup_installs_the_system_packages_these_tests_need():
 
 
 def test_a_missing_tool_is_named_with_its_install_command(monkeypatch):
-    monkeypatch.setattr(nshosts, "_which", lambda tool: None if tool == "srun" else f"/usr/bin/{tool}")
+    monkeypatch.setattr(nshosts, "find_tool", lambda tool: None if tool == "srun" else f"/usr/bin/{tool}")
     assert nshosts.missing_tools(["munge"]) is None
     why = nshosts.missing_tools(["munge", "slurm-client"])
     assert why is not None and why.startswith("srun not installed")
