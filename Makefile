@@ -5,9 +5,16 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tessera-installed
 
-.PHONY: setup train test test-gpu gpu-check check-torch-floor test-hf-latest lint clean
+.PHONY: setup system-packages train test test-gpu gpu-check check-torch-floor test-hf-latest lint clean
 
-setup: $(STAMP)
+setup: $(STAMP) system-packages
+
+# OpenMPI, Slurm and munge, with which tests/e2e/test_mpi_slurm.py starts jobs: installed with apt
+# when setup or test runs as root (quietly, only what is missing, never touching Python; see
+# .ci/system-packages); as another user it names the command to run as root.
+SYSTEM_PACKAGES := openmpi-bin slurmctld slurmd slurm-client munge
+system-packages:
+	@.ci/system-packages $(SYSTEM_PACKAGES)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +32,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check tessera tests examples
 	$(BIN)/mypy
 
-test: lint
+test: system-packages lint
 	$(BIN)/python -m pytest -q
 
 # The CUDA lane (tests/cuda, marker `cuda`), which `make test` does not collect. It runs on a GPU

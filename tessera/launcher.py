@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tessera import comm
+from tessera import comm, job_env
 from tessera.config import (
     Config,
     ConfigSource,
@@ -133,16 +133,6 @@ def _restart_store(host: str, port: int | str, world_size: int, timeout: datetim
     return dist.PrefixStore(f"tessera/attempt{attempt}", agent)
 
 
-def _env_int(env: Mapping[str, str], *names: str, launcher: str) -> int:
-    for name in names:
-        if name in env:
-            return int(env[name])
-    raise RuntimeError(
-        f"{' / '.join(names)} is not set: this process was not started by {launcher}"
-        + (" (use `tessera run --nproc-per-node N script.py`)" if launcher == "torchrun" else "")
-    )
-
-
 def env_overrides(env: Mapping[str, str] | None = None) -> list[str]:
     """The ``--set`` items that ``tessera run`` passes to every rank."""
     text = (os.environ if env is None else env).get(OVERRIDES_ENV)
@@ -152,24 +142,34 @@ def env_overrides(env: Mapping[str, str] | None = None) -> list[str]:
 def launch_from_torch(
     config: ConfigSource = None, *, backend: str | None = None, overrides: Sequence[str] = ()
 ) -> ParallelContext:
-    """Launch from the environment torchrun (``tessera run``) sets: RANK, WORLD_SIZE,
-    LOCAL_RANK, MASTER_ADDR, MASTER_PORT. Without them (``python my_train.py``) the process
-    runs as a world of one, on gloo or the first GPU."""
+    """Launch from the environment of whichever launcher started this process: torchrun
+    (``tessera run``: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), else OpenMPI's
+    ``mpirun``, else a Slurm ``srun`` step (see ``tessera.job_env`` for what each sets and how
+    rank 0's host is found). Without any (``python my_train.py``) the process runs as a world
+    of one, on gloo or the first GPU."""
     env = os.environ
     overrides = [*overrides, *env_overrides()]
     config = _with_named_config(config, env.get(CONFIG_ENV))
     if DRY_RUN_ENV in env:
         _dry_validation(config, overrides, json.loads(env[DRY_RUN_ENV]))
     cfg = load_config(config, overrides)  # a bad config is reported before anything else
-    if "RANK" not in env and "WORLD_SIZE" not in env:
+    job = job_env.detect(env)
+    if job is None:
         return launch_alone(cfg, backend=backend)
+    if job.world_size == 1 and job.launcher != job_env.TORCHRUN:
+        # one task of mpirun or srun: a world of one on a free port (two such jobs may share a node)
+        return launch(cfg, rank=0, world_size=1, local_rank=0, port=_free_port(), backend=backend)
+    return _launch_job(cfg, job, backend)
+
+
+def _launch_job(cfg: Config, job: job_env.JobEnv, backend: str | None) -> ParallelContext:
     return launch(
         cfg,
-        rank=_env_int(env, "RANK", launcher="torchrun"),
-        world_size=_env_int(env, "WORLD_SIZE", launcher="torchrun"),
-        local_rank=_env_int(env, "LOCAL_RANK", launcher="torchrun"),
-        host=env.get("MASTER_ADDR", "127.0.0.1"),
-        port=env.get("MASTER_PORT", "29500"),
+        rank=job.rank,
+        world_size=job.world_size,
+        local_rank=job.local_rank,
+        host=job.host,
+        port=job.port,
         backend=backend,
     )
 
@@ -203,9 +203,7 @@ def launch_alone(cfg: Config, *, backend: str | None = None) -> ParallelContext:
             f"this config's layout needs {needed} processes, and no launcher started this one (RANK is "
             f"not set), so it runs alone: start it with `tessera run --nproc-per-node {needed} {script}`"
         )
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = _free_port()
     print(
         "tessera: no launcher (RANK is not set): running as one process; "
         "for more, `tessera run --nproc-per-node N script.py`",
@@ -213,6 +211,12 @@ def launch_alone(cfg: Config, *, backend: str | None = None) -> ParallelContext:
         flush=True,
     )
     return launch(cfg, rank=0, world_size=1, local_rank=0, port=port, backend=backend)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def _dry_validation(config: ConfigSource, overrides: Sequence[str], request: Mapping[str, object]) -> None:
@@ -235,38 +239,34 @@ def _dry_validation(config: ConfigSource, overrides: Sequence[str], request: Map
 
 
 def launch_from_slurm(
-    config: ConfigSource, host: str, port: int | str, *, backend: str | None = None, overrides: Sequence[str] = ()
+    config: ConfigSource = None,
+    host: str | None = None,
+    port: int | str | None = None,
+    *,
+    backend: str | None = None,
+    overrides: Sequence[str] = (),
 ) -> ParallelContext:
-    """Launch under ``srun``: rank, world size and local rank from SLURM_PROCID, SLURM_NTASKS
-    (or SLURM_NPROCS) and SLURM_LOCALID; ``host`` is the first node of the allocation."""
-    env = os.environ
+    """Launch under ``srun``: rank, world size and local rank from SLURM_PROCID,
+    SLURM_STEP_NUM_TASKS (or SLURM_NTASKS, SLURM_NPROCS) and SLURM_LOCALID. ``host`` (rank 0's
+    host) defaults to MASTER_ADDR, else the first node of SLURM_STEP_NODELIST; ``port`` to
+    MASTER_PORT, else ``29500 + SLURM_JOB_ID % 1000``."""
     cfg = load_config(config, overrides)
-    return launch(
-        cfg,
-        rank=_env_int(env, "SLURM_PROCID", launcher="Slurm (srun)"),
-        world_size=_env_int(env, "SLURM_NTASKS", "SLURM_NPROCS", launcher="Slurm (srun)"),
-        local_rank=_env_int(env, "SLURM_LOCALID", launcher="Slurm (srun)"),
-        host=host,
-        port=port,
-        backend=backend,
-    )
+    return _launch_job(cfg, job_env.slurm_env(os.environ, host, port), backend)
 
 
 def launch_from_openmpi(
-    config: ConfigSource, host: str, port: int | str, *, backend: str | None = None, overrides: Sequence[str] = ()
+    config: ConfigSource = None,
+    host: str | None = None,
+    port: int | str | None = None,
+    *,
+    backend: str | None = None,
+    overrides: Sequence[str] = (),
 ) -> ParallelContext:
-    """Launch under ``mpirun`` (OpenMPI): OMPI_COMM_WORLD_RANK, _SIZE and _LOCAL_RANK."""
-    env = os.environ
+    """Launch under ``mpirun`` (OpenMPI): OMPI_COMM_WORLD_RANK, _SIZE and _LOCAL_RANK. ``host``
+    (rank 0's host) defaults to MASTER_ADDR, else the loopback address when every rank is on this
+    host (across hosts it must be named); ``port`` to MASTER_PORT, else 29500."""
     cfg = load_config(config, overrides)
-    return launch(
-        cfg,
-        rank=_env_int(env, "OMPI_COMM_WORLD_RANK", launcher="OpenMPI (mpirun)"),
-        world_size=_env_int(env, "OMPI_COMM_WORLD_SIZE", launcher="OpenMPI (mpirun)"),
-        local_rank=_env_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", launcher="OpenMPI (mpirun)"),
-        host=host,
-        port=port,
-        backend=backend,
-    )
+    return _launch_job(cfg, job_env.openmpi_env(os.environ, host, port), backend)
 
 
 def shutdown() -> None:

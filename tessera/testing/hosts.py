@@ -3,8 +3,8 @@
 Each host is a network namespace with its own interface (``eth0``), address (``10.<net>.0.<k+1>``
 on a /24) and hostname (a UTS namespace per started process), joined to the others by a bridge
 in a namespace of its own (the switch), so that nothing of the machine's own network changes.
-Every host resolves every other's name (``/etc/netns/<ns>/hosts``, which ``ip netns exec``
-mounts over ``/etc/hosts``), as on a cluster whose hosts share a hosts file or DNS. ``rate``
+Every host resolves every other's name (``/etc/netns/<ns>/hosts``, which each started process
+sees as ``/etc/hosts``), as on a cluster whose hosts share a hosts file or DNS. ``rate``
 limits what each host sends on ``eth0`` with ``tc``'s token-bucket filter: the slow link
 between hosts; loopback inside a host stays fast.
 
@@ -17,6 +17,9 @@ machine can make them, and why not::
         outputs = hosts.wait(procs, timeout=300)
 
 :func:`torchrun_argv` builds the ``tessera run`` command line of one host of a job.
+:meth:`Hosts.launch_agent` writes the ``ssh`` stand-in through which OpenMPI's ``mpirun`` starts
+its daemons on the other hosts; :mod:`tessera.testing.slurm` makes a Slurm cluster of the hosts.
+:func:`missing_tools` says which of the system's tools that those jobs need are not installed.
 """
 
 from __future__ import annotations
@@ -33,6 +36,17 @@ from typing import Any
 
 NETNS_ETC = Path("/etc/netns")
 PORT = 29400  # the rendezvous port on the first host (each host has its own ports)
+
+#: the system packages (Debian's names) that jobs under OpenMPI and Slurm need, and their commands;
+#: ``make setup`` installs them with apt when run as root (the Makefile's SYSTEM_PACKAGES)
+SYSTEM_PACKAGES: dict[str, tuple[str, ...]] = {
+    "openmpi-bin": ("mpirun",),
+    "slurmctld": ("slurmctld",),
+    "slurmd": ("slurmd", "slurmstepd"),
+    "slurm-client": ("srun", "sbatch", "scontrol", "sinfo"),
+    "munge": ("munged",),
+}
+INSTALL = "apt-get install --no-install-recommends"
 
 
 class HostsUnavailable(RuntimeError):
@@ -52,10 +66,29 @@ def available() -> str | None:
         return "network namespaces are a Linux feature"
     if os.geteuid() != 0:
         return "making network namespaces needs root"
-    for tool in ("ip", "unshare"):
+    for tool in ("ip", "unshare", "nsenter", "mount"):
         if shutil.which(tool) is None:
             return f"`{tool}` is not installed (iproute2 / util-linux)"
     return None
+
+
+def missing_tools(packages: Sequence[str]) -> str | None:
+    """None when the commands of ``packages`` (keys of :data:`SYSTEM_PACKAGES`) are installed,
+    else what is missing and the command that installs it."""
+    lacking = [p for p in packages if any(find_tool(tool) is None for tool in SYSTEM_PACKAGES[p])]
+    if not lacking:
+        return None
+    tools = [tool for p in lacking for tool in SYSTEM_PACKAGES[p] if find_tool(tool) is None]
+    return (
+        f"{', '.join(tools)} not installed: run `make setup` as root, or `{INSTALL} {' '.join(lacking)}` "
+        "(Debian/Ubuntu; on other systems the same packages of OpenMPI, Slurm and munge)"
+    )
+
+
+def find_tool(tool: str) -> str | None:
+    """The path of the command ``tool``: on PATH, else in the sbin folders (where daemons live,
+    which a user's PATH may lack)."""
+    return shutil.which(tool) or shutil.which(tool, path="/usr/sbin:/usr/local/sbin:/sbin")
 
 
 @dataclass
@@ -145,10 +178,38 @@ class Hosts:
         self._made.clear()
 
     def command(self, host: int, argv: Sequence[str]) -> list[str]:
-        """``argv`` run on host ``host``: in its network namespace, under its hostname."""
-        ns = self.namespaces[host]
-        return ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
-                f'hostname {self.hostnames[host]} && exec "$@"', "sh", *argv]  # fmt: skip
+        """``argv`` run on host ``host``: in its network namespace, under its hostname, with its
+        hosts file. Like ``ip netns exec``, but the machine's ``/sys`` stays as it is (``ip netns
+        exec`` mounts a new sysfs, which hides the cgroup file systems that ``slurmd`` needs)."""
+        ns, name = self.namespaces[host], self.hostnames[host]
+        return ["nsenter", f"--net=/run/netns/{ns}", "unshare", "--mount", "--uts", "--propagation", "private",
+                "sh", "-c", f'mount --bind {NETNS_ETC / ns / "hosts"} /etc/hosts && hostname {name} && exec "$@"',
+                "sh", *argv]  # fmt: skip
+
+    def launch_agent(self, folder: str | os.PathLike[str]) -> Path:
+        """Write ``folder/tessera-rsh``, an ``ssh`` stand-in for these hosts, and return its path:
+        ``tessera-rsh HOST COMMAND...`` runs the shell command line ``COMMAND...`` (its words
+        joined by spaces, as ssh joins them) on HOST, a hostname or address of these hosts. OpenMPI's
+        ``mpirun`` starts its daemon on each other host through it (``--mca plm_rsh_agent PATH``, or
+        ``OMPI_MCA_plm_rsh_agent=PATH``). Unlike ssh it passes the caller's environment on."""
+        cases = "".join(
+            f"  {name}|{self.address(k)}) ns={self.namespaces[k]}; name={name} ;;\n"
+            for k, name in enumerate(self.hostnames)
+        )
+        agent = Path(folder) / "tessera-rsh"
+        agent.write_text(
+            "#!/bin/sh\n"
+            "# written by tessera.testing.hosts: `tessera-rsh HOST COMMAND...` runs COMMAND on namespace host HOST\n"
+            f'case "$1" in\n{cases}'
+            '  *) echo "tessera-rsh: no namespace host named $1" >&2; exit 255 ;;\n'
+            "esac\n"
+            "shift\n"
+            'exec nsenter --net=/run/netns/"$ns" unshare --mount --uts --propagation private sh -c \\\n'
+            f'  \'mount --bind {NETNS_ETC}/"$1"/hosts /etc/hosts && hostname "$2" && shift 2 && exec sh -c "$*"\' \\\n'
+            '  sh "$ns" "$name" "$@"\n'
+        )
+        agent.chmod(0o755)
+        return agent
 
     def popen(self, host: int, argv: Sequence[str], env: Mapping[str, str] | None = None,
               cwd: str | os.PathLike[str] | None = None) -> subprocess.Popen[str]:  # fmt: skip
@@ -208,4 +269,14 @@ def torchrun_argv(
     return [*argv, *extra, *script]
 
 
-__all__ = ["HostOutput", "Hosts", "HostsUnavailable", "available", "torchrun_argv"]
+__all__ = [
+    "INSTALL",
+    "SYSTEM_PACKAGES",
+    "HostOutput",
+    "Hosts",
+    "HostsUnavailable",
+    "available",
+    "find_tool",
+    "missing_tools",
+    "torchrun_argv",
+]

@@ -36,6 +36,7 @@ RANKS: dict[str, float] = {
     "rlhf": 5.2,  # SFT, reward models, DPO, PPO and GRPO over the engine, models and inference
     "config": 6.0,  # builds the options of the layers below from a config
     "session": 6.1,  # the current run: context, config, tessera.initialize
+    "job_env": 6.15,  # the world a launcher (torchrun, mpirun, srun) describes in the environment
     "launcher": 6.2,
     "__init__": 6.3,  # the public API (tessera.initialize, tessera.launch, ...)
     # applications of the public API
