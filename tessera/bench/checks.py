@@ -75,3 +75,17 @@ def same_tokens(batch: int, tokens: dict[str, list[list[int]]], ours: str, their
                 f"batch {batch}, prompt {i}: {ours} and {theirs} generate different greedy tokens from token "
                 f"{at} ({a[at : at + 3]} against {b[at : at + 3]}), so their speeds cannot be compared"
             )
+
+
+def fresh_deepspeed() -> None:
+    """Forget the parallel groups an earlier DeepSpeed side left in DeepSpeed's module globals.
+    A pool's ranks outlive a bench: after AutoTP's side (tensor groups of 2) the next
+    ``deepspeed.initialize`` on the same rank would take that model-parallel state for its own
+    and fail. The process groups themselves stay (torch owns them); only DeepSpeed's references go."""
+    from deepspeed.utils import groups
+
+    release = getattr(groups, "_release_process_group_references", None)
+    if callable(release):
+        release(None)
+    else:  # older DeepSpeed: the globals that say a model-parallel layout is set
+        groups.mpu = None

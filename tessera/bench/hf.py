@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from tessera.bench.checks import built_sides, loss_gaps
+from tessera.bench.checks import built_sides, fresh_deepspeed, loss_gaps
 from tessera.bench.pools import rank_pool
 from tessera.bench.report import Row, print_rows, write_rows
 from tessera.bench.timing import alternate, step_block
@@ -177,6 +177,7 @@ def build_deepspeed(w: Workload) -> StepFn:
         "steps_per_print": 2**31 - 1,
     }
     optimizer = torch.optim.AdamW(model.parameters(), lr=w.lr)
+    fresh_deepspeed()
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:

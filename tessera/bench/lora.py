@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from tessera.bench.checks import built_sides
+from tessera.bench.checks import built_sides, fresh_deepspeed
 from tessera.bench.pools import rank_pool
 from tessera.bench.report import Row, print_rows, write_rows
 from tessera.bench.timing import alternate, step_block
@@ -158,6 +158,7 @@ def build_peft_deepspeed(w: Workload, label: str) -> tuple[StepFn, int]:
         "gradient_clipping": 0.0,
         "steps_per_print": 2**31 - 1,
     }
+    fresh_deepspeed()
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(trained, lr=w.lr), config=config)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
