@@ -172,7 +172,7 @@ BENCH_HELP: dict[str, str] = {
     "runs part)",
     "hosts": "dp4 vs ZeRO-3 vs hybrid sharding (zero.shard='host') on 2 namespace hosts x 2 ranks with the link "
     "between hosts limited to 100mbit: step time, bytes across hosts, and the planner's predicted step time "
-    "beside each (about 2 min; needs root for the network namespaces)",
+    "beside each (about 3 min; needs root for the network namespaces)",
     "rlhf-generate": "RLHF rollouts with the paged KV cache vs the full forward per token on the same training GPT "
     "(tiny, 16+128 tokens, batch 1 and 16), and inside whole PPO steps at batch 16: tokens/s, PPO steps/s, the same "
     "greedy tokens, 1 process (about 1 min)",
