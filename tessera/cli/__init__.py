@@ -126,6 +126,7 @@ BENCH_TARGETS: dict[str, str] = {  # name -> "module:function"; each strategy ad
     "rlhf-generate": "tessera.bench.rlhf_generate:main",
     "lora": "tessera.bench.lora:main",
     "compile": "tessera.bench.compiled:main",
+    "hosts": "tessera.bench.hosts:main",
 }
 
 # name -> what it measures, how long it takes on 2 CPU cores, what it needs
@@ -169,6 +170,9 @@ BENCH_HELP: dict[str, str] = {
     "ZeRO-3 dp2, 1d tp2, pp2 1F1B and ring sp2, 2 ranks: tokens/s, MFU, cold and warm compile times; tessera's "
     "compiled ZeRO-3 vs torch FSDP2 with each block compiled (about 20 min; --only gpt2 or --only dp2,zero3-dp2 "
     "runs part)",
+    "hosts": "dp4 vs ZeRO-3 vs hybrid sharding (zero.shard='host') on 2 namespace hosts x 2 ranks with the link "
+    "between hosts limited to 100mbit: step time, bytes across hosts, and the planner's predicted step time "
+    "beside each (about 3 min; needs root for the network namespaces)",
     "rlhf-generate": "RLHF rollouts with the paged KV cache vs the full forward per token on the same training GPT "
     "(tiny, 16+128 tokens, batch 1 and 16), and inside whole PPO steps at batch 16: tokens/s, PPO steps/s, the same "
     "greedy tokens, 1 process (about 1 min)",

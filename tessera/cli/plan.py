@@ -120,7 +120,9 @@ def calibrated(cluster: Any, args: argparse.Namespace) -> Any:
     print(describe(calibration), file=sys.stderr)
     memory = parse_bytes(args.device_memory, "--device-memory")  # default: this machine's, shared
     measured = calibrated_cluster(calibration, cluster.devices, memory)
-    return dataclasses.replace(measured, devices_per_node=cluster.devices_per_node, host_memory=cluster.host_memory)
+    # calibration measures one node: a group across nodes keeps the given link between them
+    return dataclasses.replace(measured, devices_per_node=cluster.devices_per_node, host_memory=cluster.host_memory,
+                               inter=cluster.inter if cluster.nodes > 1 else measured.inter)  # fmt: skip
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

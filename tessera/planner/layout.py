@@ -13,6 +13,7 @@ TensorMode = Literal["1d", "2d", "2.5d", "3d"]
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zero_bubble"]
 SequenceMode = Literal["ring_qk", "ring", "all_to_all"]
 Checkpointing = Literal["none", "full", "selective"]
+Shard = Literal["all", "host"]
 
 #: the config keys of the choices a layout makes (:meth:`Layout.to_config` writes them) and the
 #: field of :class:`Layout` each sets: what ``tessera plan --set KEY=VALUE`` may fix
@@ -38,7 +39,10 @@ class Layout:
     """Data, pipeline, tensor and sequence sizes (their product is the world), the pipeline's
     schedule, micro-batches and chunks, the tensor mode (``depth`` for 2.5d; ``sequence_parallel``
     regions for 1d), the sequence mode, the ZeRO stage and optimizer offload, activation
-    checkpointing, and the samples of one micro-batch per data-parallel rank."""
+    checkpointing, and the samples of one micro-batch per data-parallel rank. ``shard``: ZeRO's
+    ``zero.shard``, over every replica (``"all"``) or over each node's replicas with the shards
+    all-reduced across nodes (``"host"``, hybrid sharding; the time model only: the search does
+    not choose it and the memory model shards over every replica)."""
 
     data: int = 1
     tensor: int = 1
@@ -55,6 +59,7 @@ class Layout:
     offload: bool = False
     checkpoint: Checkpointing = "none"
     micro_batch: int = 1
+    shard: Shard = "all"
 
     @property
     def world(self) -> int:
@@ -107,7 +112,9 @@ class Layout:
         elif self.microbatches > 1:
             parts.append(f"acc{self.microbatches}")
         if self.zero:
-            parts.append(f"z{self.zero}" + ("+off" if self.offload else ""))
+            parts.append(
+                f"z{self.zero}" + ("+off" if self.offload else "") + ("(host)" if self.shard == "host" else "")
+            )
         if self.checkpoint != "none":
             parts.append("ckpt" if self.checkpoint == "full" else "ckpt-sel")
         parts.append(f"mb{self.micro_batch}")
@@ -136,6 +143,7 @@ class Layout:
             chunks=self.chunks,
             zero=self.zero,
             offload=self.offload,
+            host_shard=self.shard == "host",
         )
 
     def to_config(self) -> dict[str, Any]:
@@ -163,6 +171,8 @@ class Layout:
         }
         if self.zero:
             out["zero"] = {"stage": self.zero, "offload_optimizer": "cpu" if self.offload else "none"}
+            if self.shard == "host":
+                out["zero"]["shard"] = "host"
         if self.checkpoint != "none":
             out["activation_checkpoint"] = {"mode": self.checkpoint}
         return out

@@ -27,9 +27,23 @@ def axis_span(layout: Layout, axis: str) -> int:
     return layout.world
 
 
+HOST_SPLIT = (".host", ".across")
+
+
+def unsplit(axis: str) -> str:
+    """The axis whose groups hybrid sharding split by node (``data`` of ``data.host`` and
+    ``data.across``); any other axis itself."""
+    for suffix in HOST_SPLIT:
+        if axis.endswith(suffix):
+            return axis[: -len(suffix)]
+    return axis
+
+
 def base_axis(axis: str) -> str:
     """The mesh axis a ledger axis belongs to: a tensor mode's sub-axes are ``tensor``'s,
-    ``data+sequence`` (the replicas) is ``data``'s."""
+    ``data+sequence`` (the replicas) is ``data``'s, and so are hybrid sharding's groups by node
+    (``data.host``, ``data.across``)."""
+    axis = unsplit(axis)
     if axis.startswith(("2d_", "2.5d_", "3d_")):
         return "tensor"
     return "data" if axis == "data+sequence" else axis
@@ -45,16 +59,27 @@ def _measured(links: dict[str, Link], op: str, group: int) -> Link | None:
     return links[f"{kind}:{nearest}"]
 
 
+def spans_nodes(cluster: Cluster, layout: Layout, axis: str) -> bool:
+    """Whether a group of ``axis`` has ranks on more than one node: hybrid sharding's
+    ``<axis>.host`` never, its ``<axis>.across`` always (with more than one node), any other
+    axis when its span is more than a node's ranks."""
+    if axis.endswith(".host"):
+        return False
+    if axis.endswith(".across"):
+        return cluster.nodes > 1
+    return axis_span(layout, axis) > cluster.devices_per_node
+
+
 def axis_link(cluster: Cluster, layout: Layout, axis: str, op: str = "all_reduce", group: int = 2) -> Link:
     """The link ``op`` on ``axis`` (a group of ``group`` ranks) runs over: ``cluster.axis_links``
-    by the axis's name, then by its base axis's, then calibration's ``"OP:SIZE"`` entries (send and
-    recv as ``p2p``, the nearest size), else ``intra`` when the group's span fits in a node."""
+    by the axis's name (and a whole axis's by its base axis's); else, for a group that spans
+    nodes, ``inter``; else calibration's ``"OP:SIZE"`` entries (measured inside one node; send and
+    recv as ``p2p``, the nearest size), else ``intra``."""
     links = cluster.axis_links
-    if links:
-        for key in (axis, base_axis(axis)):
-            if key in links:
-                return links[key]
-        found = _measured(links, op, group)
-        if found is not None:
-            return found
-    return cluster.intra if axis_span(layout, axis) <= cluster.devices_per_node else cluster.inter
+    for key in (axis,) if unsplit(axis) != axis else (axis, base_axis(axis)):
+        if key in links:
+            return links[key]
+    if spans_nodes(cluster, layout, axis):
+        return cluster.inter
+    found = _measured(links, op, group) if links else None
+    return found if found is not None else cluster.intra

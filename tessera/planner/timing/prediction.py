@@ -12,9 +12,9 @@ from tessera.planner.results import TimeEstimate
 from tessera.planner.spec import Cluster, ModelSpec, Workload
 from tessera.planner.timing.bubble import pipeline_bubble
 from tessera.planner.timing.counting import Traffic
-from tessera.planner.timing.links import axis_link, base_axis
+from tessera.planner.timing.links import axis_link, base_axis, unsplit
 from tessera.planner.timing.partition import Stage, StageWork, rank_split, stage_work, stages
-from tessera.planner.timing.traffic import replica_axis, stage_traffic
+from tessera.planner.timing.traffic import replica_axis, shard_ranks, stage_traffic
 
 #: host Adam rate (bytes of fp32 parameters per second and device) when the cluster gives none
 DEFAULT_HOST_OPTIMIZER_RATE = 2e9
@@ -30,13 +30,15 @@ class _StagePlan:
 
 
 @lru_cache(maxsize=16384)
-def stage_plans(model: ModelSpec, layout: Layout, workload: Workload) -> tuple[tuple[_StagePlan, int], ...]:
-    """What does not depend on the cluster, once per distinct stage, with how many pipeline ranks
-    hold such a stage."""
+def stage_plans(
+    model: ModelSpec, layout: Layout, workload: Workload, per_node: int = 0
+) -> tuple[tuple[_StagePlan, int], ...]:
+    """What does not depend on the cluster (but for hybrid sharding's ``per_node``, the ranks of
+    a node), once per distinct stage, with how many pipeline ranks hold such a stage."""
     cut = stages(model, layout.pipeline, layout.chunks)
     out = []
     for st in dict.fromkeys(cut):
-        traffic = tuple(stage_traffic(model, layout, workload, st).values())
+        traffic = tuple(stage_traffic(model, layout, workload, st, per_node).values())
         trainable = rank_split(model, layout, st)[0]  # what the optimizer steps (LoRA: the adapters)
         plan = _StagePlan(st, traffic, stage_work(model, layout, workload, st), trainable)
         out.append((plan, cut.count(st)))
@@ -54,8 +56,11 @@ def _data_exposed(layout: Layout, secs: dict[str, float], calls: dict[str, float
     """Exposed seconds of the replica axis: DDP's buckets overlap the last backward (a pipeline's
     one all-reduce does not); ZeRO-1 reduces and gathers at the step; ZeRO-2 reduces each
     micro-step behind its backward and gathers at the step; ZeRO-3 also gathers in the forward
-    (prefetching) and the backward. ``fwd``, ``bwd``: seconds of one micro-step's passes."""
+    (prefetching) and the backward. Hybrid sharding's all-reduce of the shards across nodes
+    (``secs["across"]``) follows each chunk's reduce-scatter, in the same stream. ``fwd``,
+    ``bwd``: seconds of one micro-step's passes."""
     ar, rs, ag = (secs.get(op, 0.0) for op in ("all_reduce", "reduce_scatter", "all_gather"))
+    rs += secs.get("across", 0.0)
     micro = layout.accumulation
     if layout.zero == 0:
         return ar if layout.pipeline > 1 else _hidden_behind(ar, calls.get("all_reduce", 1), bwd)
@@ -100,8 +105,13 @@ def _stage_time(plan: _StagePlan, layout: Layout, cluster: Cluster) -> _StageTim
         seq = max(0.0, seq - m * work.attention / rate)
     critical = comm["tensor"] + seq
     replica = replica_axis(layout)[0]
-    data_secs = {op: sec for (op, axis), sec in secs.items() if axis == replica}
-    data_calls = {t.op: t.calls for t in plan.traffic if t.axis == replica}
+    data_secs: dict[str, float] = {}
+    data_calls: dict[str, float] = {}
+    for t in plan.traffic:  # the replica axis and hybrid sharding's groups of it by node
+        if unsplit(t.axis) == replica:
+            key = "across" if t.axis.endswith(".across") else t.op
+            data_secs[key] = data_secs.get(key, 0.0) + secs[t.op, t.axis]
+            data_calls[key] = data_calls.get(key, 0.0) + t.calls
     exposed = critical + (
         _data_exposed(layout, data_secs, data_calls, fwd, bwd) if overlap else sum(data_secs.values())
     )
@@ -144,9 +154,9 @@ def _pipeline_exposed(layout: Layout, cluster: Cluster, traffic: tuple[Traffic, 
 
 def _optimizer_time(heaviest: float, layout: Layout, workload: Workload, cluster: Cluster) -> float:
     """The elementwise update of the ``heaviest`` stage's fp32 parameters on a rank (a ZeRO shard:
-    1/replicas), on the device, or with offload on the host plus the copies of gradients down and
-    parameters up."""
-    shard = heaviest / (replica_axis(layout)[1] if layout.zero else 1)
+    1/replicas, hybrid sharding 1/the node's replicas), on the device, or with offload on the host
+    plus the copies of gradients down and parameters up."""
+    shard = heaviest / (shard_ranks(layout, cluster.devices_per_node) if layout.zero else 1)
     if not layout.offload:
         return 4 * shard / (cluster.optimizer_rate or cluster.flops / 8)
     host_rate = cluster.optimizer_rate or DEFAULT_HOST_OPTIMIZER_RATE
@@ -160,7 +170,7 @@ def predict_time(model: ModelSpec, layout: Layout, workload: Workload, cluster: 
     share cores (``ranks_per_core`` k > 1: CPU ranks), a waiting rank's core runs the others'
     work: the step is the mean rank's busy time, or the slowest rank's path run k times faster
     with its bubble, whichever is longer (compute and exposed_comm are then the mean rank's)."""
-    plans = stage_plans(model, layout, workload)
+    plans = stage_plans(model, layout, workload, cluster.devices_per_node if layout.shard == "host" else 0)
     times = [(_stage_time(plan, layout, cluster), count) for plan, count in plans]
     slow = max((t for t, _ in times), key=lambda t: t.compute + t.exposed)
     bubble = _bubble(layout, slow)

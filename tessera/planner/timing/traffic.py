@@ -66,6 +66,18 @@ def replica_axis(layout: Layout) -> tuple[str, int]:
     return ("data+sequence" if layout.sequence > 1 else "data"), layout.data * layout.sequence
 
 
+def shard_ranks(layout: Layout, per_node: int) -> int:
+    """The replicas ZeRO shards over: all of them, or with ``shard="host"`` those of one replica
+    group on one node of ``per_node`` consecutive ranks (0: nodes unknown, one node). Equal to
+    all replicas when the group lies on one node (hybrid sharding is then plain sharding)."""
+    n = layout.data * layout.sequence
+    if layout.shard != "host" or per_node <= 0:
+        return n
+    t, s, p = layout.tensor, layout.sequence, layout.pipeline
+    members = [j * t * s * p + i * t for j in range(layout.data) for i in range(s)]  # rank 0's group
+    return max(1, sum(1 for r in members if r < per_node))
+
+
 def zero_chunks(model: ModelSpec, layout: Layout, stage: Stage, element: int) -> int:
     """ZeRO chunks (and DDP buckets) of a stage: one per layer at least, none over the bucket size
     (with LoRA adapters: of what trains, the adapters and any saved module)."""
@@ -82,17 +94,34 @@ def zero_chunks(model: ModelSpec, layout: Layout, stage: Stage, element: int) ->
     return stage.blocks * per_block + ends
 
 
-def _data_traffic(book: Book, m: ModelSpec, layout: Layout, st: Stage, sh: Shape) -> None:
+def _hybrid_traffic(book: Book, layout: Layout, axis: str, n: int, g: int, grads: float, chunks: int) -> None:
+    """Hybrid sharding (``zero.shard="host"``, tessera/zero/hybrid.py) over ``n`` replicas, ``g``
+    on each node: the reduce-scatters and all-gathers inside the node (``<axis>.host``), and each
+    chunk's shard, ``grads / g``, all-reduced across the ``n / g`` nodes (``<axis>.across``) when
+    it is reduced (stage 1: once, at the step; stages 2, 3: every micro-step)."""
+    inside, across, micro = f"{axis}.host", f"{axis}.across", layout.accumulation
+    reductions = 1 if layout.zero == 1 else micro
+    book.add("reduce_scatter", inside, g, reductions * grads, reductions * chunks)
+    book.add("all_reduce", across, n // g, reductions * grads / g, reductions * chunks)
+    gathers = 2 * micro if layout.zero == 3 else 1
+    book.add("all_gather", inside, g, gathers * grads, gathers * chunks)
+
+
+def _data_traffic(book: Book, m: ModelSpec, layout: Layout, st: Stage, sh: Shape, per_node: int = 0) -> None:
     """Gradient averaging over the replicas: DDP's bucket all-reduce (a pipeline's one flat
     all-reduce), ZeRO's reduce-scatter and all-gather of the chunks (stage 2 reduces, stage 3
-    also gathers, every micro-step), and the step's loss (4 bytes)."""
+    also gathers, every micro-step), or hybrid sharding's (with nodes of ``per_node`` ranks), and
+    the step's loss (4 bytes)."""
     axis, n = replica_axis(layout)
     if n == 1:
         return
     grads = rank_split(m, layout, st)[0] * sh.pe  # what trains (LoRA: adapters, saved modules)
     chunks = zero_chunks(m, layout, st, sh.pe)
     micro = layout.accumulation
-    if layout.zero == 0:
+    g = shard_ranks(layout, per_node)
+    if layout.zero and g < n:
+        _hybrid_traffic(book, layout, axis, n, g, grads, chunks)
+    elif layout.zero == 0:
         calls = 1 if layout.pipeline > 1 else max(1, math.ceil((grads - 2**20) / BUCKET_BYTES) + 1)
         book.add("all_reduce", axis, n, grads, calls)
     elif layout.zero == 1:
@@ -119,9 +148,12 @@ def _adapter_tensor(book: Book, m: ModelSpec, layout: Layout, sh: Shape) -> None
         book.add("all_reduce", "tensor", layout.tensor, whole * sh.pe, 1)
 
 
-def stage_traffic(model: ModelSpec, layout: Layout, workload: Workload, stage: Stage) -> dict[tuple[str, str], Traffic]:
+def stage_traffic(
+    model: ModelSpec, layout: Layout, workload: Workload, stage: Stage, per_node: int = 0
+) -> dict[tuple[str, str], Traffic]:
     """Logical bytes and calls per (op, axis) of one optimizer step on a rank of ``stage``, as
-    tessera's comm ledger counts them."""
+    tessera's comm ledger counts them; ``per_node``: ranks a node (hybrid sharding's groups
+    follow the nodes; 0: one node)."""
     sh = micro_batch_shape(model, layout, workload)
     book = Book()
     book.times = stage.blocks * layout.microbatches
@@ -138,16 +170,18 @@ def stage_traffic(model: ModelSpec, layout: Layout, workload: Workload, stage: S
     book.times = stage.blocks * layout.microbatches
     _adapter_tensor(book, model, layout, sh)
     book.times = 1
-    _data_traffic(book, model, layout, stage, sh)
+    _data_traffic(book, model, layout, stage, sh, per_node)
     return book.traffic()
 
 
-def step_traffic(model: ModelSpec, layout: Layout, workload: Workload) -> dict[tuple[str, str], Traffic]:
+def step_traffic(
+    model: ModelSpec, layout: Layout, workload: Workload, per_node: int = 0
+) -> dict[tuple[str, str], Traffic]:
     """:func:`stage_traffic` of every pipeline stage, the most of them per (op, axis): what the
     comm ledger shows on the rank that moves the most on each."""
     out: dict[tuple[str, str], Traffic] = {}
     for stage in set(stages(model, layout.pipeline, layout.chunks)):
-        for key, t in stage_traffic(model, layout, workload, stage).items():
+        for key, t in stage_traffic(model, layout, workload, stage, per_node).items():
             if key not in out or t.bytes > out[key].bytes:
                 out[key] = t
     return out
