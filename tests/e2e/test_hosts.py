@@ -25,6 +25,7 @@ ELASTIC = ROOT / "tests" / "e2e" / "scripts" / "elastic_train.py"
 LAYOUTS = ("dp4", "tp2-dp2", "pp2-tp2", "zero3-dp4", "sp2-ring-dp2")
 TIMEOUT = 300
 
+
 @pytest.fixture(scope="module")
 def hosts():
     # a machine that cannot make namespace hosts fails here, saying why (HostsUnavailable): never skipped
