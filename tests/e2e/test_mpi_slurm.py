@@ -220,3 +220,23 @@ def test_a_missing_tool_is_named_with_its_install_command(monkeypatch):
     why = nshosts.missing_tools(["munge", "slurm-client"])
     assert why is not None and why.startswith("srun not installed")
     assert f"`{nshosts.INSTALL} slurm-client`" in why
+
+
+# ---- torchrun across hosts: docs/launch.md's "Several hosts" ------------------------------------
+
+
+def torchrun_recipes() -> list[str]:
+    return [c for c in shell_commands("Several hosts") if c.startswith("tessera run ")]
+
+
+def test_the_torchrun_recipes_across_two_hosts_print_the_losses_of_one_host(hosts, scratch, reference):
+    static_host0, static_host1, dynamic = torchrun_recipes()
+    assert "--node-rank 0" in static_host0 and "--node-rank 1" in static_host1 and "c10d" in dynamic
+    env = job_env(scratch)
+    for per_host in ([static_host0, static_host1], [dynamic, dynamic]):  # one job after the other: the same port
+        procs = [hosts.popen(k, ["bash", "-c", command], env=env, cwd=scratch) for k, command in enumerate(per_host)]
+        outs = hosts.wait(procs, TIMEOUT)
+        for out in outs:
+            assert out.returncode == 0, f"{per_host[out.host]} on host{out.host}:\n{out.stdout}\n{out.stderr}"
+        # rank 0 prints: on host0 under the static rendezvous, on either host under c10d
+        torch.testing.assert_close(epoch_losses("".join(o.stdout for o in outs)), reference, rtol=1e-5, atol=0)
