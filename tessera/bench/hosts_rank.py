@@ -20,15 +20,23 @@ from typing import Any
 
 import torch
 
-TX_BYTES = Path("/sys/class/net/eth0/statistics/tx_bytes")  # this namespace host's link
+# this process's network namespace's interfaces: /proc/net is per namespace, where /sys/class/net
+# shows the namespace that mounted /sys (the machine's, for a host entered with nsenter --net)
+NET_DEV = Path("/proc/net/dev")
+LINK = "eth0"  # a namespace host's link to the others
 
 
 def wire_bytes() -> int:
     """Bytes this host has sent on its link to the other hosts (0 where there is none)."""
     try:
-        return int(TX_BYTES.read_text())
+        lines = NET_DEV.read_text().splitlines()
     except OSError:
         return 0
+    for line in lines[2:]:  # two header lines, then "  name: rx_bytes packets ... tx_bytes ..."
+        name, _, counters = line.partition(":")
+        if name.strip() == LINK:
+            return int(counters.split()[8])  # the 9th counter: bytes transmitted
+    return 0
 
 
 def spans_hosts(ctx: Any, axis: str) -> bool | None:
