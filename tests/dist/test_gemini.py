@@ -16,6 +16,7 @@ from tessera.checkpoint import full_state_dict
 from tessera.memory.tiers import Tier
 from tessera.models import NextTokenLoss, gpt
 from tessera.testing import tolerance, use_layout
+from tests.dist.reference import adamw_reference
 
 STEPS = 10
 TOL = tolerance(blocks=2, steps=STEPS)  # build() trained STEPS steps, against one process
@@ -36,20 +37,7 @@ def dataset() -> TensorDataset:
 
 
 def reference(clip: float | None):
-    model = build()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
-    x, y = dataset().tensors
-    losses = []
-    for step in range(STEPS):
-        sl = slice(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
-        optimizer.zero_grad()
-        loss = NextTokenLoss()(model(x[sl]), y[sl])
-        loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, full_state_dict(model)
+    return adamw_reference(build, dataset(), STEPS, GLOBAL_BATCH, clip)
 
 
 def train(gemini: dict, accumulation: int, clip: float | None, dtype: str = "fp32", tensor: int = 1):

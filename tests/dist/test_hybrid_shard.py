@@ -35,6 +35,7 @@ from tessera.models import NextTokenLoss, gpt
 from tessera.optim.norms import whole_sq_norms, zero_layout_of
 from tessera.testing import use_layout
 from tessera.zero import hybrid
+from tests.dist.reference import adamw_reference
 
 STEPS = 10
 GLOBAL_BATCH = 8
@@ -103,19 +104,7 @@ def train(config: dict):
 
 def reference():
     """Plain single-process PyTorch on the global batch, clipped as the runs are."""
-    model = build()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
-    x, y = dataset().tensors
-    losses = []
-    for step in range(STEPS):
-        sl = slice(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
-        optimizer.zero_grad()
-        loss = NextTokenLoss()(model(x[sl]), y[sl])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, full_state_dict(model)
+    return adamw_reference(build, dataset(), STEPS, GLOBAL_BATCH, CLIP)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from tessera.memory import model_state_bytes
 from tessera.memory.chunks import ChunkState, IllegalTransition
 from tessera.models import NextTokenLoss, gpt
 from tessera.testing import tolerance, use_layout
+from tests.dist.reference import adamw_reference
 
 # a handful of AdamW steps reach every path (the first step, bias correction, accumulated states)
 STEPS = 6
@@ -64,20 +65,7 @@ def train(config: dict, steps: int = STEPS):
 
 def reference(clip: float | None = None):
     """Plain single-process PyTorch on the global batch: the answer every layout must give."""
-    model = build()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
-    x, y = dataset().tensors
-    losses = []
-    for step in range(STEPS):
-        sl = slice(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
-        optimizer.zero_grad()
-        loss = NextTokenLoss()(model(x[sl]), y[sl])
-        loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, full_state_dict(model)
+    return adamw_reference(build, dataset(), STEPS, GLOBAL_BATCH, clip)
 
 
 @pytest.fixture(scope="module")
