@@ -138,21 +138,20 @@ def rank_hosts(mpirun_stdout: str) -> dict[int, str]:
     return found
 
 
-def test_mpirun_on_one_host_prints_the_losses_of_torchrun(hosts, scratch, reference, tmp_path):
-    command = shell_commands("Under OpenMPI")[0]
-    env = mpirun_env(scratch, hosts.launch_agent(tmp_path))
-    (out,) = hosts.wait([hosts.popen(1, ["bash", "-c", command], env=env, cwd=scratch)], TIMEOUT)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert rank_hosts(out.stdout) == {0: "host1", 1: "host1", 2: "host1", 3: "host1"}
-    torch.testing.assert_close(epoch_losses(out.stdout), reference, rtol=1e-5, atol=0)
+MPIRUN = {  # the recipe's place in the section, the host it is started on, the host of each rank
+    "one host": (0, 1, {0: "host1", 1: "host1", 2: "host1", 3: "host1"}),
+    "two hosts": (1, 0, {0: "host0", 1: "host0", 2: "host1", 3: "host1"}),
+}
 
 
-def test_mpirun_across_two_hosts_prints_the_losses_of_torchrun(hosts, scratch, reference, tmp_path):
-    command = shell_commands("Under OpenMPI")[1]
+@pytest.mark.parametrize("where", MPIRUN)
+def test_mpirun_prints_the_losses_of_torchrun(hosts, scratch, reference, tmp_path, where):
+    recipe, started_on, placed = MPIRUN[where]
+    command = shell_commands("Under OpenMPI")[recipe]
     env = mpirun_env(scratch, hosts.launch_agent(tmp_path))
-    (out,) = hosts.wait([hosts.popen(0, ["bash", "-c", command], env=env, cwd=scratch)], TIMEOUT)
+    (out,) = hosts.wait([hosts.popen(started_on, ["bash", "-c", command], env=env, cwd=scratch)], TIMEOUT)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert rank_hosts(out.stdout) == {0: "host0", 1: "host0", 2: "host1", 3: "host1"}
+    assert rank_hosts(out.stdout) == placed
     torch.testing.assert_close(epoch_losses(out.stdout), reference, rtol=1e-5, atol=0)
 
 
