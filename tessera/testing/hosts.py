@@ -29,7 +29,7 @@ import shutil
 import subprocess
 import sys
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,6 +101,15 @@ class HostOutput:
     stderr: str
 
 
+def made_or_closed(make: Callable[[], None], close: Callable[[], None]) -> None:
+    """``make()``; if it fails (or is interrupted), ``close()`` what it made so far, then re-raise."""
+    try:
+        make()
+    except BaseException:
+        close()
+        raise
+
+
 class Hosts:
     """``count`` namespace hosts joined by a bridge; made on enter, removed on exit (also after a
     failure: every namespace, veth and hosts file this object made)."""
@@ -127,11 +136,7 @@ class Hosts:
         why = available()
         if why is not None:
             raise HostsUnavailable(why)
-        try:
-            self._make()
-        except BaseException:
-            self.close()
-            raise
+        made_or_closed(self._make, self.close)
         return self
 
     def __exit__(self, *exc: Any) -> None:

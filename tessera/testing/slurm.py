@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from tessera.testing.hosts import Hosts, find_tool
+from tessera.testing.hosts import Hosts, find_tool, made_or_closed
 
 #: job states after which a job no longer runs
 FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL")
@@ -105,22 +105,22 @@ class SlurmCluster:
         self._daemons.append((label, proc, log))
 
     def __enter__(self) -> SlurmCluster:
-        try:
-            self._write_files()
-            munge = self.folder / "munge"
-            files = {option: munge / f"munged.{option}" for option in ("pid", "log", "seed")}
-            self._start("munged", ["munged", "--foreground", "--force", f"--socket={self.socket}",
-                                   f"--key-file={munge / 'munge.key'}",
-                                   *(f"--{option}-file={path}" for option, path in files.items())])  # fmt: skip
-            self._wait_for(self.socket.exists, "munged's socket", 15)
-            self._start("slurmctld", ["slurmctld", "-D", "-f", str(self.conf)], host=0)
-            for k, name in enumerate(self.hosts.hostnames):
-                self._start(f"slurmd-{name}", ["slurmd", "-D", "-N", name, "-f", str(self.conf)], host=k)
-            self._wait_for(self._nodes_idle, "every node idle in sinfo", 60)
-        except BaseException:
-            self.close()
-            raise
+        made_or_closed(self._start_all, self.close)
         return self
+
+    def _start_all(self) -> None:
+        """munged, slurmctld on host 0 and a slurmd per host, until every node is idle."""
+        self._write_files()
+        munge = self.folder / "munge"
+        files = {option: munge / f"munged.{option}" for option in ("pid", "log", "seed")}
+        self._start("munged", ["munged", "--foreground", "--force", f"--socket={self.socket}",
+                               f"--key-file={munge / 'munge.key'}",
+                               *(f"--{option}-file={path}" for option, path in files.items())])  # fmt: skip
+        self._wait_for(self.socket.exists, "munged's socket", 15)
+        self._start("slurmctld", ["slurmctld", "-D", "-f", str(self.conf)], host=0)
+        for k, name in enumerate(self.hosts.hostnames):
+            self._start(f"slurmd-{name}", ["slurmd", "-D", "-N", name, "-f", str(self.conf)], host=k)
+        self._wait_for(self._nodes_idle, "every node idle in sinfo", 60)
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
