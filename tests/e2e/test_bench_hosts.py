@@ -11,9 +11,7 @@ import math
 import pytest
 
 from tessera.bench import hosts
-from tessera.testing import hosts as nshosts
 
-pytestmark = pytest.mark.skipif(nshosts.available() is not None, reason=str(nshosts.available()))
 METRICS = ["step_time_s", "inter_host_bytes", "wire_bytes", "predicted_step_s"]
 
 
