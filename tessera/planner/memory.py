@@ -158,6 +158,19 @@ def _in_flight(schedule: str, p: int, m: int, v: int, waiting_w: float) -> tuple
 
 def _walk_orders(schedule: str, p: int, m: int, v: int, waiting_w: float) -> tuple[tuple[float, float], ...]:
     """Walk each rank's compute order (transfers do not reorder computes)."""
+    out = []
+    for before_points, after_points in _order_points(schedule, p, m, v):
+        before = max((a + waiting_w * b for a, b in before_points), default=0.0)
+        after = max((a + waiting_w * b for a, b in after_points), default=0.0)
+        out.append((max(before, 0.0) / v, max(after, 0.0) / v))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def _order_points(schedule: str, p: int, m: int, v: int) -> tuple[tuple[frozenset, frozenset], ...]:
+    """Per rank, the micro-batches alive after each compute of its order as ``a + waiting_w * b``:
+    the distinct ``(a, b)`` before the first weight gradient and after it. A schedule's orders
+    are built once, whatever ``waiting_w`` the models ask about (the search asks many)."""
     from tessera.parallel.pipeline.actions import Kind
     from tessera.parallel.pipeline.schedules import interleaved_order, one_f_one_b_order, zero_bubble_h1_order
 
@@ -169,23 +182,23 @@ def _walk_orders(schedule: str, p: int, m: int, v: int, waiting_w: float) -> tup
         orders = one_f_one_b_order(p, m)
     out = []
     for actions in orders:
-        alive, before, after, started = 0.0, 0.0, 0.0, False
+        a = b = 0  # alive = a + waiting_w * b
+        started = False
+        before: set[tuple[int, int]] = set()
+        after: set[tuple[int, int]] = set()
         for action in actions:
             if action.kind is Kind.FORWARD:
-                alive += 1
+                a += 1
             elif action.kind is Kind.BACKWARD_INPUT:
-                alive += waiting_w - 1
+                a, b = a - 1, b + 1
             elif action.kind is Kind.BACKWARD:
-                alive -= 1
+                a -= 1
                 started = True
             elif action.kind is Kind.BACKWARD_WEIGHT:
-                alive -= waiting_w
+                b -= 1
                 started = True
-            if started:
-                after = max(after, alive)
-            else:
-                before = max(before, alive)
-        out.append((before / v, after / v))
+            (after if started else before).add((a, b))
+        out.append((frozenset(before), frozenset(after)))
     return tuple(out)
 
 
@@ -236,15 +249,31 @@ def state_bytes(
 def predict_memory(model: ModelSpec, layout: Layout, workload: Workload) -> MemoryEstimate:
     """Peak bytes per rank of one training step of ``model`` under ``layout`` (see the module
     docstring); the rank with the highest peak."""
-    return max(predict_stage_memory(model, layout, workload), key=lambda e: e.peak)
+    cut, flights, whole = _stage_inputs(model, layout)
+    # a rank's peak is a maximum of terms each rising with one of its two in-flight counts: among
+    # ranks holding alike stages, the one with the most before and the one with the most after
+    # reach the highest peak (long pipelines have many alike middle stages)
+    alike: dict[Stage, list[tuple[float, float]]] = {}
+    for stage, flight in zip(cut, flights):
+        alike.setdefault(stage, []).append(flight)
+    ranks = []
+    for stage, seen in alike.items():
+        for flight in dict.fromkeys((max(seen), max(seen, key=lambda f: (f[1], f[0])))):
+            ranks.append(_rank_peak(model, layout, workload, stage, whole, flight))
+    return max(ranks, key=lambda e: e.peak)
+
+
+def _stage_inputs(model: ModelSpec, layout: Layout) -> tuple[tuple[Stage, ...], tuple[tuple[float, float], ...], float]:
+    cut = stages(model, layout.pipeline, layout.chunks)
+    flights = in_flight(layout.schedule, layout.pipeline, layout.microbatches, layout.chunks, _waiting_w(model, layout))
+    whole = sum(rank_split(model, layout, stage)[0] for stage in cut)
+    return cut, flights, whole
 
 
 def predict_stage_memory(model: ModelSpec, layout: Layout, workload: Workload) -> list[MemoryEstimate]:
     """:func:`predict_memory` for each pipeline rank (one entry without a pipeline): the stages
     and this rank's parameter elements as :mod:`tessera.planner.timing` cuts and counts them."""
-    cut = stages(model, layout.pipeline, layout.chunks)
-    flights = in_flight(layout.schedule, layout.pipeline, layout.microbatches, layout.chunks, _waiting_w(model, layout))
-    whole = sum(rank_split(model, layout, stage)[0] for stage in cut)
+    cut, flights, whole = _stage_inputs(model, layout)
     done: dict[tuple[Stage, tuple[float, float]], MemoryEstimate] = {}
     out = []
     for stage, flight in zip(cut, flights):

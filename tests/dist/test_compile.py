@@ -46,9 +46,9 @@ CASES: dict[str, Case] = {
     "tp1d-tp2-sp": Case(GoldenRun(2, tensor=2, sequence_parallel=True), "inductor", no_break=True),
     # the grid modes and experts take one micro-batch a step (the others show accumulation): a
     # quarter or eighth of a core per rank makes their steps the slowest of the file
-    "tp2d-tp4": Case(GoldenRun(4, tensor=4, mode="2d", accumulation=1)),
-    "tp2.5d-tp8-depth2": Case(GoldenRun(8, tensor=8, mode="2.5d", depth=2, accumulation=1)),
-    "tp3d-tp8": Case(GoldenRun(8, tensor=8, mode="3d", accumulation=1)),
+    "tp2d-tp4": Case(GoldenRun(4, tensor=4, mode="2d", accumulation=1), no_break=True),
+    "tp2.5d-tp8-depth2": Case(GoldenRun(8, tensor=8, mode="2.5d", depth=2, accumulation=1), no_break=True),
+    "tp3d-tp8": Case(GoldenRun(8, tensor=8, mode="3d", accumulation=1), no_break=True),
     "pp2-1f1b": Case(GoldenRun(2, pipeline=2, schedule="1f1b", **PP)),
     "pp2-zero-bubble": Case(GoldenRun(2, pipeline=2, schedule="zero_bubble", **PP)),
     "sp2-ring": Case(GoldenRun(2, sequence=2, sequence_mode="ring")),

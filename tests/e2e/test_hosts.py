@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -130,6 +131,18 @@ def test_a_lost_host_leaves_the_other_to_finish_from_the_last_checkpoint_on_fewe
                    "--run-dir", str(tmp_path / f"logs{k}")],
         )  # fmt: skip
         procs.append(hosts.popen(k, argv, env=env(), cwd=ROOT))
+    # the reference: 10 steps on 4 ranks on one host, saved; 10 more on 2 ranks from that
+    # checkpoint. It runs beside the job once the hosts have met (so that it cannot delay the
+    # first round's rendezvous); the results are bitwise whatever the timing.
+    deadline = time.monotonic() + TIMEOUT
+    while not (elastic / "attempt-0.json").exists() and all(p.poll() is None for p in procs):
+        assert time.monotonic() < deadline, "the hosts never met"
+        time.sleep(0.2)
+    reference = tmp_path / "reference"
+    for ranks, steps in ((4, 10), (2, 20)):
+        out = run([*tessera_cmd(), "run", "--nproc-per-node", str(ranks), "--no-dry-run", str(ELASTIC), str(reference),
+                   str(steps)], env={"PYTHONPATH": str(ROOT)}, timeout=TIMEOUT)  # fmt: skip
+        assert out.returncode == 0, out.stdout + out.stderr
     survivor, lost = nshosts.Hosts.wait(procs, TIMEOUT)
     assert survivor.returncode == 0, survivor.stdout + survivor.stderr
     assert lost.returncode == -9 and "SIGKILLed at step 12" in lost.stderr, lost.stderr
@@ -137,12 +150,6 @@ def test_a_lost_host_leaves_the_other_to_finish_from_the_last_checkpoint_on_fewe
     assert (first["world_size"], second["world_size"]) == (4, 2), "the hosts met in the first round, one in the second"
     finished = json.loads((elastic / "finished.json").read_text())
     assert (finished["first_step"], finished["last_step"], finished["accumulation"]) == (11, 20, 2)
-    # the reference: 10 steps on 4 ranks on one host, saved; 10 more on 2 ranks from that checkpoint
-    reference = tmp_path / "reference"
-    for ranks, steps in ((4, 10), (2, 20)):
-        out = run([*tessera_cmd(), "run", "--nproc-per-node", str(ranks), "--no-dry-run", str(ELASTIC), str(reference),
-                   str(steps)], env={"PYTHONPATH": str(ROOT)}, timeout=TIMEOUT)  # fmt: skip
-        assert out.returncode == 0, out.stdout + out.stderr
     assert json.loads((reference / "finished.json").read_text())["first_step"] == 11
     ours, theirs = (load_file(str(d / "final.safetensors")) for d in (elastic, reference))
     assert ours.keys() == theirs.keys()

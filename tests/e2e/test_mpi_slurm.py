@@ -22,13 +22,13 @@ import torch
 
 from tessera.testing import hosts as nshosts
 from tessera.testing.slurm import SlurmCluster
-from tests.e2e.test_cli import tessera_cmd
-from tests.e2e.test_docs import SHELL, Block, blocks, commands, files_of, user_env
+from tests.e2e.test_docs import SHELL, Block, blocks, commands, files_of, run_in, user_env
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH_DOC = "docs/launch.md"
 SCRIPT = REPO / "tests" / "e2e" / "scripts" / "launched_train.py"
 TIMEOUT = 180
+GETTING_STARTED = "docs/getting-started.md"
 
 
 def needed() -> str | None:
@@ -58,7 +58,7 @@ def slurm(hosts, tmp_path_factory):
 def scratch(tmp_path_factory) -> Path:
     """A folder with the getting-started page's my_train.py and my_config.py, where the recipes run."""
     folder = tmp_path_factory.mktemp("launch")
-    for name, text in files_of("docs/getting-started.md").items():
+    for name, text in files_of(GETTING_STARTED).items():
         if name:
             (folder / name).write_text(text)
     return folder
@@ -86,12 +86,13 @@ def epoch_losses(text: str) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def reference(scratch) -> list[float]:
-    """my_train.py's losses on 4 ranks under torchrun, on this host (the runs below must print these)."""
-    argv = [*tessera_cmd(), "run", "--nproc-per-node", "4", "--no-dry-run", "my_train.py"]
-    out = subprocess.run(argv, cwd=scratch, env=job_env(scratch), capture_output=True, text=True, timeout=TIMEOUT)
-    assert out.returncode == 0, out.stdout + out.stderr
-    return epoch_losses(out.stdout)
+def reference(tmp_path_factory) -> list[float]:
+    """my_train.py's losses on 4 ranks under torchrun, on this host (the runs below must print
+    these): the getting-started page's own command, which tests/e2e/test_docs.py runs on the same
+    files (run once in the session, whichever test asks first)."""
+    ran = run_in(GETTING_STARTED, "tessera run --nproc-per-node 4 my_train.py", tmp_path_factory.getbasetemp() / "docs")
+    assert ran.out.returncode == 0, ran.out.stdout + ran.out.stderr
+    return epoch_losses(ran.out.stdout)
 
 
 # ---- the recipes of docs/launch.md ----------------------------------------------------------------

@@ -180,7 +180,9 @@ def _gathered_weight(weight: torch.Tensor, cube: Cube, groups: int) -> torch.Ten
 
 class _LinearRegathered(torch.autograd.Function):
     """``F.linear(x, gathered weight)`` keeping only this rank's weight block for backward, which
-    gathers it again and runs the same ops as the kept path (so the same numbers)."""
+    gathers it again. The backward is written out (``dx = g W_o``, ``dW_o = g^T x``, then the
+    gather's reduce-scatter along ``3d_weight``) rather than differentiated with
+    ``torch.autograd.grad``, so that a compiled block traces it whole, without a graph break."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, cube: Cube, groups: int) -> torch.Tensor:
@@ -191,13 +193,17 @@ class _LinearRegathered(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         x, weight = ctx.saved_tensors
-        need = ctx.needs_input_grad[:2]
-        with torch.enable_grad():
-            inputs = [t.detach().requires_grad_(n) for t, n in zip((x, weight), need, strict=True)]
-            out = F.linear(inputs[0], _gathered_weight(inputs[1], ctx.cube, ctx.groups))
-            wanted = [t for t in inputs if t.requires_grad]
-            grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
-        dx, dw = (next(grads) if n else None for n in need)
+        cube, groups = ctx.cube, ctx.groups
+        gathered = _gathered_weight(weight.detach(), cube, groups)  # [q*rows, cols]
+        flat = grad.reshape(-1, grad.shape[-1])
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = flat.mm(gathered).view(*grad.shape[:-1], gathered.shape[-1])
+        if ctx.needs_input_grad[1]:
+            rows, cols = weight.shape
+            d_gathered = flat.t().mm(x.reshape(-1, x.shape[-1]))  # [q*rows, cols], summed over the tokens
+            parts = d_gathered.view(cube.q, groups, rows // groups, cols).transpose(0, 1)  # [G, q, F, cols]
+            dw = comm.reduce_scatter(parts.contiguous(), cube.weight, 1).reshape(rows, cols)
         return dx, dw, None, None
 
 
