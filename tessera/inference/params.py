@@ -53,7 +53,9 @@ class SamplingParams:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
             raise ValueError(f"max_tokens={self.max_tokens!r} must be an integer of at least 1 (0 to score a prompt)")
         if self.max_tokens == 0 and self.prompt_logprobs is None:
-            raise ValueError("max_tokens=0 generates nothing: it scores the prompt, which needs prompt_logprobs (echo)")
+            raise ValueError(
+                "max_tokens=0 must be an integer of at least 1 (0 only scores a prompt: set prompt_logprobs)"
+            )
         if not self.temperature >= 0.0:
             raise ValueError(f"temperature={self.temperature!r} must be at least 0 (0: greedy)")
         if not isinstance(self.top_k, int) or self.top_k < 0:

@@ -59,8 +59,9 @@ class Tokenizer(Protocol):
 
 
 class Backend(Protocol):
-    """Runs requests. ``generate`` yields a request's chunks as they are made, ending with the
-    one that has a ``finish_reason``; leaving the iteration early (a client that went away)
+    """Runs requests. ``generate`` yields a request's chunks as they are made (each naming its
+    sequence's ``index`` among ``params.n``), ending once every sequence has had a chunk with a
+    ``finish_reason`` (or one chunk says ``"abort"``); leaving the iteration early (a client that went away)
     must free the request's KV blocks; ``adapter``: the name of one of ``info.adapters`` to run
     the request with (None: the base model alone). ``abort`` of a request that is unknown or
     already finished does nothing (the server may abort a request its iterator also cancels)."""

@@ -270,11 +270,14 @@ class RankBackend:
         key = f"{request_id}#{next(self._ids)}"  # unique on the wire even if a client reuses an id
         self._queues[key] = (asyncio.get_running_loop(), queue)
         done = False
+        left = params.n  # the request's sequences still going
         try:
             self._send(("add", key, list(prompt_ids), params, index))
             while True:
                 chunk = await queue.get()
-                done = chunk.finish_reason is not None
+                if chunk.finish_reason is not None:
+                    left = 0 if chunk.finish_reason == "abort" else left - 1
+                done = left == 0
                 yield chunk
                 if done:
                     return

@@ -38,7 +38,10 @@ def prompts(count: int = 8, shared: int = 40, seed: int = 1) -> list[list[int]]:
     """``count`` prompts that begin with the same ``shared`` tokens, then 1 to 29 of their own."""
     g = torch.Generator().manual_seed(seed)
     system = torch.randint(0, VOCAB, (shared,), generator=g).tolist()
-    return [system + torch.randint(0, VOCAB, (int(k),), generator=g).tolist() for k in torch.randint(1, 30, (count,), generator=g)]
+    return [
+        system + torch.randint(0, VOCAB, (int(k),), generator=g).tolist()
+        for k in torch.randint(1, 30, (count,), generator=g)
+    ]
 
 
 def alone(model: torch.nn.Module, batch: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
@@ -194,7 +197,9 @@ def test_a_prompt_is_scored_without_generating(model):
             assert out.token is None
     want = log_softmax(model, prompt)
     assert [r for r in reasons if r] == ["length"]
-    assert [lp for _, lp, _ in entries] == pytest.approx([float(want[i, t]) for i, t in enumerate(prompt[1:])], abs=1e-5)
+    assert [lp for _, lp, _ in entries] == pytest.approx(
+        [float(want[i, t]) for i, t in enumerate(prompt[1:])], abs=1e-5
+    )
 
 
 def test_logit_bias_and_penalties_shape_the_choice(model):
