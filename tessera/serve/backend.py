@@ -34,6 +34,8 @@ class Chunk:
     index: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
     prompt: tuple[PromptLogprob, ...] = ()
+    stop_token: int | None = None  # the stop token that ended the sequence (not in token_ids; its
+    # log-probability is the last of ``logprobs``, as vLLM reports it)
 
 
 @dataclass(frozen=True)

@@ -162,6 +162,8 @@ class Generation:
             choice.settled = choice.settled or chunk.finish_reason is not None
             return events
         self._count(choice, chunk.token_ids)
+        if chunk.stop_token is not None:  # generated and counted, though its text is not returned
+            choice.tokens += 1
         piece = choice.stream.push(chunk.token_ids) if chunk.token_ids else ""
         if chunk.finish_reason is not None:
             piece += choice.stream.finish()
@@ -170,11 +172,8 @@ class Generation:
         if choice.stream.stopped:
             choice.answer.finish_reason = "stop"
         choice.answer.text += piece
-        entries = (
-            [(t, lp, top) for t, (lp, top) in zip(chunk.token_ids, chunk.logprobs, strict=True)]
-            if chunk.logprobs
-            else []
-        )
+        chosen = (*chunk.token_ids, *([chunk.stop_token] if chunk.stop_token is not None else []))
+        entries = [(t, lp, top) for t, (lp, top) in zip(chosen, chunk.logprobs, strict=True)] if chunk.logprobs else []
         if piece or entries:
             events.append(self._event(choice, piece, entries))
         if choice.stream.stopped and choice.answer.logprobs is not None:

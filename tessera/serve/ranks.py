@@ -244,13 +244,18 @@ class RankBackend:
         logprob: float | None = None,
         top: tuple[tuple[int, float], ...] = (),
         prompt: tuple = (),
+        sampled: int | None = None,
     ) -> None:
         if reason is not None and reason.startswith("error: "):
             self._put(request_id, Chunk((), "abort", error=reason[len("error: ") :]))
             return
         tokens = (token,) if token is not None else ()
-        logprobs = ((logprob, top),) if token is not None and logprob is not None else ()
-        self._put(request_id, Chunk(tokens, reason, index=index, logprobs=logprobs, prompt=prompt))
+        stop_token = sampled if token is None and reason == "stop" else None
+        chosen = token if token is not None else stop_token
+        logprobs = ((logprob, top),) if chosen is not None and logprob is not None else ()
+        self._put(
+            request_id, Chunk(tokens, reason, index=index, logprobs=logprobs, prompt=prompt, stop_token=stop_token)
+        )
 
     def _put(self, request_id: str, chunk: Chunk) -> None:
         entry = self._queues.get(request_id)
@@ -379,7 +384,9 @@ def _serve(engine: Any, conn: Connection) -> None:
 
     def emit(outputs: list[Any]) -> None:
         stats = {**scheduler.stats(), "steps": float(engine.steps)}
-        wants = [(o.request_id, o.index, o.token, o.finish_reason, o.logprob, o.top, o.prompt) for o in outputs]
+        wants = [
+            (o.request_id, o.index, o.token, o.finish_reason, o.logprob, o.top, o.prompt, o.sampled) for o in outputs
+        ]
         conn.send(("out", wants, stats))
 
     try:
