@@ -34,6 +34,19 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-blocks", type=int, default=256, help="KV cache blocks per layer (default 256)")
     parser.add_argument("--block-size", type=int, default=16, help="token slots per KV block (default 16)")
     parser.add_argument("--max-batch", type=int, default=32, help="most sequences decoded together (default 32)")
+    parser.add_argument(
+        "--max-step-tokens",
+        type=int,
+        default=512,
+        help="tokens computed per engine step, decodes and prompt chunks together: a longer prompt is "
+        "prefilled in chunks beside the running streams (default 512)",
+    )
+    parser.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="compute every prompt whole (default: full KV blocks are kept and shared by prompts that begin alike)",
+    )
     parser.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + generated tokens")
     parser.add_argument("--quantize", choices=["int8"], default=None, help="int8 weight-only linear layers")
     parser.add_argument(
@@ -84,6 +97,8 @@ def _backend(args: argparse.Namespace, log_dir: Path) -> Any:
         num_blocks=args.kv_blocks,
         block_size=args.block_size,
         max_batch=args.max_batch,
+        max_prefill_tokens=args.max_step_tokens,
+        prefix_caching=args.prefix_caching,
         quantize=args.quantize,
         max_model_len=args.max_model_len,
     )

@@ -3,9 +3,9 @@ attention that reads a sequence's keys and values through its table.
 
 Every rank keeps the keys and values of its own layers (its pipeline stage) and its own heads
 (its tensor-parallel block) in one pool per layer, ``[num_blocks * block_size, kv_heads,
-head_dim]``. Which blocks a sequence owns is decided once, by the scheduler on rank 0, and
-travels with each step's :class:`~tessera.inference.scheduler.StepPlan`, so every rank writes and
-reads the same slots. A finished (or aborted) sequence's blocks go back to the free list.
+head_dim]``. Which blocks a sequence owns is decided by the scheduler on rank 0
+(:mod:`tessera.inference.blocks`) and travels with each step's :class:`~tessera.inference.scheduler.StepPlan`, so every rank writes and
+reads the same slots.
 
 A step runs ``S`` sequences with ``T`` new tokens each, left-padded: sequence ``s`` has
 ``new[s]`` real tokens at the right end of its row and ``past[s]`` tokens already cached.
@@ -29,43 +29,8 @@ _SDPA_GQA = torch.__version__ >= "2.5"
 
 
 class OutOfBlocksError(RuntimeError):
-    """The pool has fewer free blocks than asked for (the scheduler admits requests so that
-    this never happens to a running sequence)."""
-
-
-class BlockAllocator:
-    """The free list of a pool of ``num_blocks`` blocks of ``block_size`` token slots."""
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"a KV cache needs at least one block of one slot, got {num_blocks} x {block_size}")
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
-
-    @property
-    def free(self) -> int:
-        return len(self._free)
-
-    @property
-    def used(self) -> int:
-        return self.num_blocks - len(self._free)
-
-    def blocks_for(self, tokens: int) -> int:
-        """Blocks needed to hold ``tokens`` slots."""
-        return -(-tokens // self.block_size)
-
-    def allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise OutOfBlocksError(f"asked for {count} KV blocks, {len(self._free)} of {self.num_blocks} are free")
-        return [self._free.pop() for _ in range(count)]
-
-    def release(self, blocks: Sequence[int]) -> None:
-        taken = set(self._free)
-        for block in blocks:
-            if block in taken or not 0 <= block < self.num_blocks:
-                raise ValueError(f"KV block {block} is not in use: released twice or never allocated")
-            taken.add(block)
-        self._free.extend(reversed(blocks))
+    """The pool has fewer free blocks than asked for (the scheduler preempts sequences so that
+    this never happens in a step)."""
 
 
 class KVPool:
@@ -86,6 +51,18 @@ class KVPool:
                 self.keys[index] = torch.zeros(shape, dtype=like.dtype, device=self.device)
                 self.values[index] = torch.zeros(shape, dtype=like.dtype, device=self.device)
         return self.keys[index], self.values[index]
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]], block_size: int) -> None:
+        """Copy-on-write: the slots of block ``source`` into block ``destination``, for each pair
+        and in every layer (before a step writes into the copies)."""
+        if not copies or not self.keys:
+            return
+        offsets = torch.arange(block_size, device=self.device)
+        source = torch.cat([offsets + s * block_size for s, _ in copies])
+        target = torch.cat([offsets + d * block_size for _, d in copies])
+        for pool in (self.keys, self.values):
+            for tensor in pool.values():
+                tensor.index_copy_(0, target, tensor.index_select(0, source))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for pool in (self.keys, self.values) for t in pool.values())
@@ -113,6 +90,7 @@ class StepBatch:
     pool: KVPool
     causal: bool = False  # mask None and T == L: query row t sees slots 0..t
     adapters: tuple[int, ...] = ()
+    logit_index: torch.Tensor | None = None  # flat [S*T] positions to return logits at (None: each row's last)
     read_flat: torch.Tensor = field(init=False)  # read_slots.view(-1), what every layer gathers
 
     def __post_init__(self) -> None:
@@ -127,10 +105,13 @@ class StepBatch:
         block_size: int,
         pool: KVPool,
         adapters: Sequence[int] = (),
+        logit_positions: Sequence[Sequence[int]] | None = None,
     ) -> StepBatch:
         """The batch of sequences ``s`` with ``new_tokens[s]`` after ``past[s]`` cached tokens,
         whose slots are in ``block_tables[s]`` (enough blocks for ``past[s] + len(new_tokens[s])``),
         using the served adapter ``adapters[s]`` (empty: the base alone for all).
+        ``logit_positions[s]``: the positions (absolute, among its new tokens) whose logits
+        the runner returns (None: the last new token of each sequence).
 
         It runs once per step, between the model's forwards (with the caches cold), so it makes
         its indices with few whole-batch numpy calls and hands them to torch at the end."""
@@ -163,6 +144,12 @@ class StepBatch:
         if not (plain_decode or plain_prefill):
             # a padding row has position 0, so it sees slot 0 alone: no empty softmax (its output is unused)
             mask = _tensor(np.arange(history) <= positions[:, :, None], pool.device).unsqueeze(1)
+        logit_index = None
+        if logit_positions is not None:
+            flat = [
+                s * width + (width - lengths[s]) + (p - past[s]) for s, ps in enumerate(logit_positions) for p in ps
+            ]
+            logit_index = _tensor(np.array(flat, dtype=np.int64), pool.device)
         return cls(
             tokens=_tensor(tokens, pool.device),
             positions=_tensor(positions, pool.device),
@@ -173,6 +160,7 @@ class StepBatch:
             pool=pool,
             causal=plain_prefill and width > 1,
             adapters=tuple(adapters) if any(a >= 0 for a in adapters) else (),
+            logit_index=logit_index,
         )
 
 

@@ -16,18 +16,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from tessera.comm import broadcast, broadcast_object, recv, send
+from tessera.comm import broadcast_object, recv, send
 from tessera.context import ParallelContext
-from tessera.inference.cache import BlockAllocator, KVPool, StepBatch
+from tessera.inference.blocks import BlockManager
+from tessera.inference.cache import KVPool, StepBatch
 from tessera.inference.models import Runner
 from tessera.inference.params import SamplingParams
-from tessera.inference.sampling import request_generator, sample
-from tessera.inference.scheduler import Output, Scheduler, StepPlan
+from tessera.inference.sampling import request_generator, sample, shaped, top_logprobs
+from tessera.inference.scheduler import Choice, Output, Row, Sample, Scheduler, StepPlan, StepResult
 
 HEARTBEAT_S = 1.0  # an idle driver still sends a plan this often, so followers never time out
 
@@ -36,12 +37,15 @@ HEARTBEAT_S = 1.0  # an idle driver still sends a plan this often, so followers 
 class CacheOptions:
     """The KV cache and batch limits: ``num_blocks`` blocks of ``block_size`` token slots per
     layer (every rank the same count, each for its own heads and layers), at most ``max_batch``
-    running sequences and ``max_prefill_tokens`` prompt tokens per prefill step."""
+    sequences holding blocks, at most ``max_prefill_tokens`` tokens computed per step (decodes
+    and prompt chunks together: a longer prompt is prefilled in chunks), and prefix caching of
+    full blocks (``prefix_caching``)."""
 
     num_blocks: int = 256
     block_size: int = 16
     max_batch: int = 32
-    max_prefill_tokens: int = 4096
+    max_prefill_tokens: int = 512
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_batch", "max_prefill_tokens"):
@@ -51,10 +55,13 @@ class CacheOptions:
 
 @dataclass(frozen=True)
 class Result:
-    """A finished request: its generated tokens and why it ended ("stop" or "length")."""
+    """A finished request: its generated tokens and why it ended ("stop" or "length"); the
+    tokens as sampled (a stop token too) and their log-probabilities."""
 
     tokens: list[int]
     finish_reason: str
+    sampled: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
 
 
 class InferenceEngine:
@@ -73,27 +80,51 @@ class InferenceEngine:
         self.scheduler: Scheduler | None = None
         routing = getattr(runner, "routing", None)  # a runner of its own (rlhf's tap) may serve no adapters
         if self.driver:
-            allocator = BlockAllocator(self.options.num_blocks, self.options.block_size)
+            blocks = BlockManager(self.options.num_blocks, self.options.block_size, self.options.prefix_caching)
             self.scheduler = Scheduler(
-                allocator,
+                blocks,
                 max_len=runner.max_len,
                 max_batch=self.options.max_batch,
-                max_prefill_tokens=self.options.max_prefill_tokens,
+                max_step_tokens=self.options.max_prefill_tokens,
                 adapters=routing.count if routing is not None else 0,
             )
         self._generators: dict[str, torch.Generator | None] = {}
-        self._drawn = 0
+        self._history: dict[str, list[int]] = {}  # tokens each sequence chose (penalties), on the sampler
         self.steps = 0
 
     # ---- one step, on every rank ------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> list[int]:
-        """Run ``plan`` on this rank's stage; every rank returns the sampled tokens. Under
-        ``torch.inference_mode``: no op of the step keeps autograd's version counters or views
-        (about 4% of a small model's decode step on a CPU)."""
+    def run(self, plan: StepPlan) -> StepResult:
+        """Run ``plan`` on this rank's stage: the copies, then the decode rows and the prefill
+        rows as two batches; every rank returns the step's choices (and prompt log-probabilities).
+        Under ``torch.inference_mode``: no op of the step keeps autograd's version counters or
+        views (about 4% of a small model's decode step on a CPU)."""
         self._forget(plan.finished)
+        self.pool.copy_blocks(plan.copies, self.options.block_size)
+        result = StepResult()
+        for rows in (plan.decode, plan.prefill):
+            if rows:
+                logits = self._forward(rows)
+                if self.samples:
+                    self._choose(rows, logits, result)
+        if self.world.size > 1 and self.sampler != 0:
+            result = broadcast_object(result if self.samples else None, self.world, src=self.sampler)
+        self.steps += 1
+        return result
+
+    def _forward(self, rows: Sequence[Row]) -> torch.Tensor | None:
+        """One batch through this stage; the logits on the last stage: each row's last
+        position, then (for rows owing prompt log-probabilities) every position asked for."""
+        echo = any(r.prompt_logprobs is not None for r in rows)
+        positions = [self._positions(r) for r in rows] if echo else None
         batch = StepBatch.build(
-            plan.new_tokens, plan.past, plan.block_tables, self.options.block_size, self.pool, plan.adapters
+            [r.tokens for r in rows],
+            [r.past for r in rows],
+            [r.blocks for r in rows],
+            self.options.block_size,
+            self.pool,
+            [r.adapter for r in rows],
+            positions,
         )
         hidden = None
         if not self.runner.first:
@@ -104,28 +135,63 @@ class InferenceEngine:
         out = self.runner.forward(batch, hidden)
         if not self.runner.last:
             send(out.contiguous(), self.pipeline, self.stage + 1)
-        if self.samples:
-            tokens = self._sample(plan, out).to(self.ctx.device)
-        else:
-            tokens = torch.zeros(len(plan.request_ids), dtype=torch.long, device=self.ctx.device)
-        if self.world.size > 1:
-            tokens = broadcast(tokens, self.world, src=self.sampler)
-        self.steps += 1
-        return tokens.tolist()
+            return None
+        return out
+
+    @staticmethod
+    def _positions(row: Row) -> list[int]:
+        last = row.past + len(row.tokens) - 1
+        return [last, *range(row.logprob_from, row.logprob_to)] if row.prompt_logprobs is not None else [last]
+
+    def _choose(self, rows: Sequence[Row], logits: torch.Tensor | None, result: StepResult) -> None:
+        """On the sampler: each row's samples from its last logits, each with its log-probability
+        (and top alternatives when asked), and the prompt log-probabilities rows owe."""
+        assert logits is not None
+        echo = any(r.prompt_logprobs is not None for r in rows)
+        at = 0
+        wanted: list[tuple[torch.Tensor, Sample]] = []
+        for row in rows:
+            last = logits[at]
+            if echo:
+                count = len(self._positions(row))
+                if row.prompt_logprobs is not None:
+                    self._prompt_logprobs(row, logits[at + 1 : at + count], result)
+                at += count
+            else:
+                at += 1
+            wanted += [(last, chosen) for chosen in row.samples]
+        if not wanted:
+            return
+        raw = torch.stack([row for row, _ in wanted])
+        rows_shaped = torch.stack([shaped(row, s.params, self._history.get(s.seq_id, ())) for row, s in wanted])
+        tokens = sample(rows_shaped, [s.params for _, s in wanted], [self._generator(s) for _, s in wanted])
+        logprobs = torch.log_softmax(raw.float(), dim=-1)
+        chosen = logprobs.gather(-1, tokens[:, None].to(logprobs.device))[:, 0].tolist()
+        for i, ((_, s), token, logprob) in enumerate(zip(wanted, tokens.tolist(), chosen, strict=True)):
+            top = top_logprobs(logprobs[i], s.params.logprobs) if s.params.logprobs else ()
+            result.choices[s.seq_id] = Choice(int(token), float(logprob), top)
+            self._history.setdefault(s.seq_id, []).append(int(token))
+
+    @staticmethod
+    def _prompt_logprobs(row: Row, logits: torch.Tensor, result: StepResult) -> None:
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        following = [*row.tokens, row.after]  # the token after each position of the chunk
+        entries = []
+        for k, p in enumerate(range(row.logprob_from, row.logprob_to)):
+            token = following[p + 1 - row.past]
+            entries.append((token, float(logprobs[k, token]), top_logprobs(logprobs[k], row.prompt_logprobs or 0)))
+        result.prompt_logprobs[row.seq_id] = entries
+
+    def _generator(self, s: Sample) -> torch.Generator | None:
+        if s.seq_id not in self._generators:
+            self._generators[s.seq_id] = request_generator(s.params, s.request_index)
+        return self._generators[s.seq_id]
 
     def _forget(self, finished: Sequence[str]) -> None:
-        """Drop the generators of requests that ended."""
-        for request_id in finished:
-            self._generators.pop(request_id, None)
-
-    def _sample(self, plan: StepPlan, logits: torch.Tensor) -> torch.Tensor:
-        generators = []
-        for request_id, params in zip(plan.request_ids, plan.params):
-            if request_id not in self._generators:
-                self._generators[request_id] = request_generator(params, self._drawn)
-                self._drawn += 1
-            generators.append(self._generators[request_id])
-        return sample(logits, plan.params, generators)
+        """Drop the generators and histories of sequences that ended."""
+        for seq_id in finished:
+            self._generators.pop(seq_id, None)
+            self._history.pop(seq_id, None)
 
     # ---- rank 0 -------------------------------------------------------------------------------
     def _scheduler(self) -> Scheduler:
@@ -189,6 +255,8 @@ class InferenceEngine:
         each = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(each) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(each)} sampling parameters")
+        if any(p.n != 1 for p in each):
+            raise ValueError("generate() makes one sequence per prompt (n=1); add_request() and step() take n > 1")
         chosen = list(adapters) if adapters is not None else [-1] * len(prompts)
         if len(chosen) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(chosen)} adapters")
@@ -215,18 +283,27 @@ class InferenceEngine:
         ids = [f"generate-{i}" for i in range(len(prompts))]
         index = {request_id: i for i, request_id in enumerate(ids)}
         made: dict[str, list[int]] = {request_id: [] for request_id in ids}
+        sampled: dict[str, list[int]] = {request_id: [] for request_id in ids}
+        logprobs: dict[str, list[float]] = {request_id: [] for request_id in ids}
         order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
         step, next_new = 0, 0
         while next_new < len(order) or scheduler.has_work:
             while next_new < len(order) and arrivals[order[next_new]] <= step:
                 i = order[next_new]
-                scheduler.add(ids[i], list(prompts[i]), params[i], adapters[i])
+                try:
+                    scheduler.add(ids[i], list(prompts[i]), params[i], adapters[i])
+                except ValueError as exc:
+                    raise ValueError(f"prompt {i}: {exc}") from None
                 next_new += 1
             for out in self.step():
                 if out.token is not None:
                     made[out.request_id].append(out.token)
+                if out.sampled is not None and out.logprob is not None:
+                    sampled[out.request_id].append(out.sampled)
+                    logprobs[out.request_id].append(out.logprob)
                 if out.finish_reason is not None:
-                    results[index[out.request_id]] = Result(made[out.request_id], out.finish_reason)
+                    rid = out.request_id
+                    results[index[rid]] = Result(made[rid], out.finish_reason, sampled[rid], logprobs[rid])
             step += 1
 
     def serve(self, receive: Callable[[float], list[Any]], emit: Callable[[list[Output]], None]) -> None:

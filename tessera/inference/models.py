@@ -60,7 +60,8 @@ class Runner(Protocol):
     def forward(self, batch: StepBatch, hidden: torch.Tensor | None) -> torch.Tensor:
         """``hidden`` ``[S, T, hidden_size]`` from the previous stage (None on the first) ->
         this stage's output: hidden states for the next stage, or on the last stage the logits
-        ``[S, vocab_size]`` (float32) of each sequence's last new token."""
+        ``[S, vocab_size]`` (float32) of each sequence's last new token (``[K, vocab_size]`` at
+        the batch's ``logit_index`` when it has one)."""
         ...
 
 
@@ -207,7 +208,10 @@ class GPTRunner:
             x = block(x, attend=partial(_attend, index, batch))
         if not self.last:
             return x
-        logits = self.model.head(x[:, -1:])[:, 0]
+        if batch.logit_index is None:
+            logits = self.model.head(x[:, -1:])[:, 0]
+        else:
+            logits = self.model.head(x.reshape(-1, x.shape[-1]).index_select(0, batch.logit_index)[None])[0]
         return _gather_vocab(logits, self.vocab_size, self.ctx).float()
 
 
@@ -250,17 +254,24 @@ class HFRunner:
             "input_ids": batch.tokens,
             "position_ids": batch.positions,
             "paged": batch,
-            "logits_to_keep": 1,
+            "logits_to_keep": 1 if batch.logit_index is None else 0,
         }
         if self.layers == [self.model]:
-            return self.model(**inputs, use_cache=False).logits[:, -1, : self.vocab_size].float()
+            return self._picked(self.model(**inputs, use_cache=False).logits, batch)
         x: Any = inputs if self.first else hidden
         with running_inputs(inputs):
             for layer in self.layers:
                 x = layer(x)
         if not self.last:
             return x
-        return x["logits"][:, -1, : self.vocab_size].float()
+        return self._picked(x["logits"], batch)
+
+    def _picked(self, logits: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """``[S, T', V]`` -> the logits the batch asks for, ``[K, vocab]`` float32."""
+        if batch.logit_index is None:
+            return logits[:, -1, : self.vocab_size].float()
+        flat = logits.reshape(-1, logits.shape[-1]).index_select(0, batch.logit_index)
+        return flat[:, : self.vocab_size].float()
 
 
 def _hf_attention(

@@ -16,7 +16,7 @@ import torch
 
 from tessera.inference.params import SamplingParams
 
-__all__ = ["request_generator", "sample", "sampling_distribution"]
+__all__ = ["request_generator", "sample", "sampling_distribution", "shaped", "top_logprobs"]
 
 _SEED_RANGE = 2**64  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 # Drawn once per process: unseeded requests of one process differ by their index, and two
@@ -110,3 +110,30 @@ def sample(
     if sampled:  # one copy to the logits' device, not one per row
         tokens[torch.tensor(sampled, device=logits.device)] = torch.tensor(draws, device=logits.device)
     return tokens
+
+
+def shaped(logits: torch.Tensor, params: SamplingParams, generated: Sequence[int]) -> torch.Tensor:
+    """``logits [V]`` with the request's ``logit_bias`` added and OpenAI's presence and
+    frequency penalties taken off the tokens it ``generated``: ``logit[t] -= count(t) *
+    frequency_penalty + (count(t) > 0) * presence_penalty``. The row itself when neither applies."""
+    if not params.shapes_logits:
+        return logits
+    out = logits.float().clone()
+    vocab = out.shape[-1]
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias if t < vocab], dtype=torch.long, device=out.device)
+        values = torch.tensor([b for t, b in params.logit_bias if t < vocab], dtype=out.dtype, device=out.device)
+        out.index_add_(0, ids, values)
+    if generated and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(torch.tensor(list(generated), dtype=torch.long), minlength=vocab)[:vocab].to(out)
+        out -= counts * params.frequency_penalty + (counts > 0).to(out) * params.presence_penalty
+    return out
+
+
+def top_logprobs(logprobs: torch.Tensor, k: int) -> tuple[tuple[int, float], ...]:
+    """The ``k`` most likely tokens of a row of log-probabilities, most likely first (ties: the
+    lowest id first)."""
+    if k <= 0:
+        return ()
+    values, ids = torch.sort(logprobs, descending=True, stable=True)
+    return tuple(zip(ids[:k].tolist(), values[:k].tolist(), strict=True))

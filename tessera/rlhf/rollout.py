@@ -46,12 +46,10 @@ from tessera.context import ParallelContext, get_context, has_context
 from tessera.context.placement import placement_of
 from tessera.errors import ConfigError
 from tessera.hf.apply import is_hf_model
-from tessera.inference.cache import StepBatch
 from tessera.inference.engine import CacheOptions, InferenceEngine
 from tessera.inference.models import GPTRunner, HFRunner, Runner
 from tessera.inference.params import SamplingParams
 from tessera.inference.sampling import request_generator, sample
-from tessera.inference.scheduler import StepPlan
 from tessera.models.gpt import GPT
 from tessera.rlhf.batches import SequenceBatch, build_rollout_batch
 from tessera.rlhf.protocols import ReleasingStorage
@@ -228,43 +226,6 @@ def _runner(model: nn.Module, ctx: ParallelContext) -> Runner:
 
 
 # ---- generation with the KV cache ---------------------------------------------------------------
-class _Tap:
-    """A runner that keeps the logits of its last step (the engine returns only the tokens)."""
-
-    def __init__(self, runner: Runner) -> None:
-        self.runner = runner
-        self.first, self.last = runner.first, runner.last
-        self.hidden_size, self.vocab_size = runner.hidden_size, runner.vocab_size
-        self.max_len, self.dtype = runner.max_len, runner.dtype
-        self.logits: torch.Tensor | None = None
-
-    def forward(self, batch: StepBatch, hidden: torch.Tensor | None) -> torch.Tensor:
-        self.logits = self.runner.forward(batch, hidden)
-        return self.logits
-
-
-class _RecordingEngine(InferenceEngine):
-    """The engine on one rank, recording each request's sampled tokens (the stop token too)
-    and their log-probabilities."""
-
-    def __init__(self, tap: _Tap, ctx: ParallelContext, options: CacheOptions) -> None:
-        super().__init__(tap, ctx, options)
-        self.tap = tap
-        self.tokens: dict[str, list[int]] = {}
-        self.logprobs: dict[str, list[float]] = {}
-
-    def run(self, plan: StepPlan) -> list[int]:
-        tokens = super().run(plan)
-        assert self.tap.logits is not None
-        with torch.no_grad():
-            chosen = torch.tensor(tokens, device=self.tap.logits.device)[:, None]
-            logprobs = torch.log_softmax(self.tap.logits.float(), dim=-1).gather(-1, chosen)[:, 0].tolist()
-        for request_id, token, logprob in zip(plan.request_ids, tokens, logprobs, strict=True):
-            self.tokens.setdefault(request_id, []).append(token)
-            self.logprobs.setdefault(request_id, []).append(logprob)
-        return tokens
-
-
 class RolloutGenerator:
     """Generates responses from ``model``'s current parameters with the paged KV cache, on this
     rank alone (module docstring).
@@ -328,22 +289,14 @@ class RolloutGenerator:
         if not prompts:
             return []
         with generation_mode(self.model), _attention_kept(self.model):
-            engine = _RecordingEngine(_Tap(_runner(self.model, self.ctx)), self.ctx, self.cache_for(prompts, each))
-            scheduler = engine.scheduler
-            assert scheduler is not None  # rank 0 of its own world: it drives
-            for i, (prompt, request) in enumerate(zip(prompts, each)):
-                try:
-                    engine.add_request(str(i), [int(t) for t in prompt], request)
-                except ValueError as exc:
-                    raise ValueError(f"prompt {i}: {exc}") from None
-            reasons: dict[str, str] = {}
-            while scheduler.has_work:
-                for out in engine.step():
-                    if out.finish_reason is not None:
-                        reasons[out.request_id] = out.finish_reason
+            engine = InferenceEngine(_runner(self.model, self.ctx), self.ctx, self.cache_for(prompts, each))
+            for i, request in enumerate(each):
+                if request.n != 1:
+                    raise ValueError(f"prompt {i}: a rollout is one sequence per prompt (n=1)")
+            results = engine.generate([[int(t) for t in p] for p in prompts], each)
         return [
-            Rollout([int(t) for t in prompt], engine.tokens[str(i)], reasons[str(i)], engine.logprobs[str(i)])
-            for i, prompt in enumerate(prompts)
+            Rollout([int(t) for t in prompt], result.sampled, result.finish_reason, result.logprobs)
+            for prompt, result in zip(prompts, results, strict=True)
         ]
 
 

@@ -14,16 +14,28 @@ from typing import Any, Protocol
 
 from tessera.inference.params import SamplingParams
 
+# A token's log-probability and its most likely alternatives ``((token, logprob), ...)``; a prompt
+# token's entry also names the token: ``(token, logprob, alternatives)``.
+TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]
+PromptLogprob = tuple[int, float, tuple[tuple[int, float], ...]]
+
 
 @dataclass(frozen=True)
 class Chunk:
-    """New tokens of one request. ``finish_reason`` is set on a request's last chunk:
-    ``"stop"`` (a stop token), ``"length"`` (max_tokens or the context is full) or
-    ``"abort"`` (cancelled, or the engine failed: ``error`` says why)."""
+    """New tokens of sequence ``index`` of one request. ``finish_reason`` is set on a sequence's
+    last chunk: ``"stop"`` (a stop token), ``"length"`` (max_tokens or the context is full) or
+    ``"abort"`` (cancelled, or the engine failed: ``error`` says why, for every sequence).
+    ``logprobs``: one entry per token of ``token_ids`` when the request asked for them;
+    ``prompt``: prompt tokens' log-probabilities (``echo``), on sequence 0's chunks."""
 
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     error: str | None = None
+    index: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt: tuple[PromptLogprob, ...] = ()
+    stop_token: int | None = None  # the stop token that ended the sequence (not in token_ids; its
+    # log-probability is the last of ``logprobs``, as vLLM reports it)
 
 
 @dataclass(frozen=True)
@@ -49,8 +61,9 @@ class Tokenizer(Protocol):
 
 
 class Backend(Protocol):
-    """Runs requests. ``generate`` yields a request's chunks as they are made, ending with the
-    one that has a ``finish_reason``; leaving the iteration early (a client that went away)
+    """Runs requests. ``generate`` yields a request's chunks as they are made (each naming its
+    sequence's ``index`` among ``params.n``), ending once every sequence has had a chunk with a
+    ``finish_reason`` (or one chunk says ``"abort"``); leaving the iteration early (a client that went away)
     must free the request's KV blocks; ``adapter``: the name of one of ``info.adapters`` to run
     the request with (None: the base model alone). ``abort`` of a request that is unknown or
     already finished does nothing (the server may abort a request its iterator also cancels)."""

@@ -19,10 +19,22 @@ FIRST_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 
 # backend.stats() key -> (metric name, help). A gauge's name does not end in _total: the
 # format keeps that suffix for counters.
 ENGINE_GAUGES = {
-    "running": ("tessera_requests_running", "Requests the engine is generating for."),
-    "waiting": ("tessera_requests_waiting", "Requests queued for the engine (not yet running)."),
-    "kv_blocks_used": ("tessera_kv_blocks_used", "KV cache blocks held by requests."),
+    "running": ("tessera_requests_running", "Sequences the engine is generating for (holding KV blocks)."),
+    "waiting": ("tessera_requests_waiting", "Sequences queued for the engine: new requests and preempted ones."),
+    "kv_blocks_used": ("tessera_kv_blocks_used", "KV cache blocks held by sequences."),
     "kv_blocks_total": ("tessera_kv_blocks_capacity", "KV cache blocks in all."),
+    "prefix_cache_hit_rate": (
+        "tessera_prefix_cache_hit_rate",
+        "Full prompt blocks found in the prefix cache over those looked up, since the start.",
+    ),
+    "prefix_cache_hit_blocks": ("tessera_prefix_cache_hit_blocks", "Full prompt blocks found in the prefix cache."),
+    "prefix_cache_queried_blocks": (
+        "tessera_prefix_cache_queried_blocks",
+        "Full prompt blocks looked up in the prefix cache.",
+    ),
+    "preemptions": ("tessera_preemptions", "Sequences preempted (their blocks freed, computed again later)."),
+    "step_tokens": ("tessera_step_tokens", "Tokens computed in the engine's last step (decodes and prompt chunks)."),
+    "steps": ("tessera_engine_steps", "Steps the engine has run."),
 }
 
 

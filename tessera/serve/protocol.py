@@ -4,8 +4,8 @@ of a request against the server's :class:`Limits` and the model (every refusal a
 
 Requests are pydantic models that refuse unknown fields (naming them) and accept OpenAI's
 optional fields that this server does not implement only at the value that turns them off
-(``n=1``, ``echo=false``, no penalties, no logprobs), so a client never gets a silently
-different answer from the one it asked for.
+(``suffix`` left out, ``best_of`` equal to ``n``), so a client never gets a silently different
+answer from the one it asked for.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tessera.errors import ConfigError
-from tessera.inference.params import SamplingParams
+from tessera.inference.params import MAX_LOGPROBS, MAX_N, SamplingParams
 from tessera.serve.responses import error_body
 
 if TYPE_CHECKING:
@@ -56,23 +56,26 @@ class SamplingFields(_Strict):
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"n={n}: this server returns one choice per request (n must be 1)")
+    def _choices(cls, n: int) -> int:
+        if not 1 <= n <= MAX_N:
+            raise ValueError(f"n={n}: this server returns 1 to {MAX_N} choices per prompt")
         return n
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
-    def _no_penalty(cls, value: float | None) -> float | None:
-        if value not in (None, 0, 0.0):
-            raise ValueError(f"{value}: penalties are not supported (leave them out or 0)")
+    def _penalty(cls, value: float | None) -> float | None:
+        if value is not None and not -2.0 <= value <= 2.0:
+            raise ValueError(f"{value} must be in [-2, 2]")
         return value
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported (leave it out or empty)")
+    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"{token!r}: the keys are token ids (as strings)")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"token {token}: the bias {bias} must be in [-100, 100]")
         return value
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -87,9 +90,12 @@ class SamplingFields(_Strict):
 
 
 class CompletionRequest(SamplingFields):
-    """``POST /v1/completions``. ``prompt`` is a string, a list of one string, or token ids."""
+    """``POST /v1/completions``. ``prompt`` is a string, token ids, or a list of either (one
+    choice per prompt and per ``n``, in that order). ``echo`` puts the prompt before each
+    choice's text (and, with ``logprobs``, the prompt tokens' log-probabilities before the
+    generated ones'); ``max_tokens=0`` with ``echo`` scores the prompt without generating."""
 
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions; None: up to the context
     echo: bool = False
     logprobs: int | None = None
@@ -98,34 +104,48 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: str | list[int] | list[str]) -> str | list[int] | list[str]:
+    def _prompts(cls, prompt: Any) -> Any:
         if isinstance(prompt, list):
             if not prompt:
                 raise ValueError("the prompt is empty")
-            if isinstance(prompt[0], str) and len(prompt) != 1:
-                raise ValueError(f"got {len(prompt)} prompts: this server takes one prompt per request")
-            if isinstance(prompt[0], int) and min(prompt) < 0:  # type: ignore[type-var]
-                raise ValueError(f"token id {min(prompt)} is negative")  # type: ignore[type-var]
+            for one in prompt if isinstance(prompt[0], list) else [prompt]:
+                if isinstance(one, list) and not one:
+                    raise ValueError("a prompt of token ids is empty")
+                if isinstance(one, list) and isinstance(one[0], int) and min(one) < 0:
+                    raise ValueError(f"token id {min(one)} is negative")
         return prompt
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs={value}: this server returns 0 to {MAX_LOGPROBS} alternatives per token")
+        return value
 
     @model_validator(mode="after")
     def _only_supported(self) -> CompletionRequest:
-        unsupported = {
-            "echo": self.echo,
-            "logprobs": self.logprobs,  # 0 still asks for the sampled token's logprob
-            "suffix": self.suffix,
-            "best_of": self.best_of not in (None, 1),
-        }
-        for name, value in unsupported.items():
-            if value not in (None, False):
-                raise ValueError(f"{name} is not supported by this server (leave it out)")
+        if self.suffix is not None:
+            raise ValueError("suffix is not supported by this server (leave it out)")
+        if self.best_of not in (None, self.n):
+            raise ValueError(
+                f"best_of={self.best_of}: this server returns every sequence it makes (give n, or best_of=n)"
+            )
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise ValueError(f"max_tokens={self.max_tokens} must be at least 0")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError(
+                "max_tokens=0 generates nothing: with echo=true it scores the prompt; else ask for at least 1"
+            )
         return self
 
-    def prompt_text_or_ids(self) -> str | list[int]:
-        """The one prompt: a string, or token ids."""
-        if isinstance(self.prompt, list) and isinstance(self.prompt[0], str):
-            return str(self.prompt[0])
-        return self.prompt  # type: ignore[return-value]
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a string, or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt[0], int):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]
 
 
 class ChatMessage(_Strict):
@@ -160,11 +180,16 @@ class ChatCompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _only_supported(self) -> ChatCompletionRequest:
-        if self.logprobs or self.top_logprobs:
-            raise ValueError("logprobs are not supported by this server (leave them out)")
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"top_logprobs={self.top_logprobs} must be from 0 to {MAX_LOGPROBS}")
+            if not self.logprobs:
+                raise ValueError("top_logprobs needs logprobs=true")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             if self.max_tokens != self.max_completion_tokens:
                 raise ValueError("max_tokens and max_completion_tokens differ: give one of them")
+        if self.requested_max_tokens is not None and self.requested_max_tokens < 1:
+            raise ValueError(f"max_tokens={self.requested_max_tokens} must be at least 1")
         return self
 
     @property
@@ -190,7 +215,7 @@ def validation_message(error: ValidationError) -> tuple[str, str | None]:
 
 # Fields of several types: pydantic reports each type's failure; one sentence says it better.
 UNION_FIELDS = {
-    "prompt": "a string, a list of one string, or a list of token ids",
+    "prompt": "a string, a list of strings, a list of token ids, or a list of lists of token ids",
     "stop": "a string or a list of strings",
 }
 
@@ -211,6 +236,8 @@ class Limits:
     max_tokens gets this, or what the model's context leaves if that is less."""
     max_concurrent_requests: int = 64
     """Generation requests answered at once, streams included; one more gets 429."""
+    max_choices: int = 64
+    """Most choices one request may ask for: its prompts times ``n`` (400)."""
     max_body_bytes: int = 1 << 20
     """Largest request body in bytes (413)."""
 
@@ -308,6 +335,16 @@ def check_token_ids(ids: list[int], vocab_size: int) -> list[int]:
     return ids
 
 
+def check_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as ``(token id, bias)`` pairs, or 400 naming a token outside the vocabulary."""
+    pairs = tuple((int(token), float(value)) for token, value in (bias or {}).items())
+    for token, _ in pairs:
+        if token >= vocab_size:
+            message = f"logit_bias names token id {token}, outside the vocabulary (ids 0 to {vocab_size - 1})"
+            raise APIError(400, message, param="logit_bias")
+    return pairs
+
+
 def check_prompt_length(prompt_tokens: int, limits: Limits) -> None:
     """400 for an empty prompt or one over ``limits.max_prompt_tokens``."""
     if prompt_tokens == 0:
@@ -338,7 +375,15 @@ def resolve_max_tokens(requested: int | None, prompt_tokens: int, context: int, 
     return requested
 
 
-def sampling_params(request: SamplingFields, max_tokens: int, eos_token_id: int | None) -> SamplingParams:
+def sampling_params(
+    request: SamplingFields,
+    max_tokens: int,
+    eos_token_id: int | None,
+    *,
+    vocab_size: int,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
     """The request's sampling fields with their defaults, and the tokenizer's end-of-sequence
     id as a stop token; 400 naming the field SamplingParams refuses."""
     try:
@@ -350,6 +395,12 @@ def sampling_params(request: SamplingFields, max_tokens: int, eos_token_id: int 
             seed=request.seed,
             stop=request.stop_strings(),
             stop_token_ids=() if eos_token_id is None else (eos_token_id,),
+            n=request.n,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            logit_bias=check_logit_bias(request.logit_bias, vocab_size),
         )
     except ValueError as error:
         raise APIError(400, str(error), param=wants_param(str(error))) from error

@@ -53,7 +53,8 @@ class EngineOptions:
     num_blocks: int = 256
     block_size: int = 16
     max_batch: int = 32
-    max_prefill_tokens: int = 4096
+    max_prefill_tokens: int = 512
+    prefix_caching: bool = True
     quantize: str | None = None  # "int8": int8 weight-only linear layers
     max_model_len: int | None = None  # cap below the model's positions
     adapters: tuple[tuple[str, str], ...] = ()
@@ -76,7 +77,9 @@ class EngineOptions:
 
     @property
     def cache(self) -> CacheOptions:
-        return CacheOptions(self.num_blocks, self.block_size, self.max_batch, self.max_prefill_tokens)
+        return CacheOptions(
+            self.num_blocks, self.block_size, self.max_batch, self.max_prefill_tokens, self.prefix_caching
+        )
 
 
 def no_delay(conn: Connection) -> None:
@@ -225,18 +228,34 @@ class RankBackend:
                 kind, outputs, stats = self._conn.recv()
                 if kind == "out":
                     self._stats.update(stats)
-                    for request_id, token, reason in outputs:
-                        self._deliver(request_id, token, reason)
+                    for output in outputs:
+                        self._deliver(*output)
         except (EOFError, OSError) as exc:
             self.failure = f"the rank group stopped ({type(exc).__name__}); logs: {self.log_dir}"
             for request_id in list(self._queues):
                 self._put(request_id, Chunk((), "abort", error=self.failure))
 
-    def _deliver(self, request_id: str, token: int | None, reason: str | None) -> None:
+    def _deliver(
+        self,
+        request_id: str,
+        index: int,
+        token: int | None,
+        reason: str | None,
+        logprob: float | None = None,
+        top: tuple[tuple[int, float], ...] = (),
+        prompt: tuple = (),
+        sampled: int | None = None,
+    ) -> None:
         if reason is not None and reason.startswith("error: "):
             self._put(request_id, Chunk((), "abort", error=reason[len("error: ") :]))
             return
-        self._put(request_id, Chunk((token,) if token is not None else (), reason))
+        tokens = (token,) if token is not None else ()
+        stop_token = sampled if token is None and reason == "stop" else None
+        chosen = token if token is not None else stop_token
+        logprobs = ((logprob, top),) if chosen is not None and logprob is not None else ()
+        self._put(
+            request_id, Chunk(tokens, reason, index=index, logprobs=logprobs, prompt=prompt, stop_token=stop_token)
+        )
 
     def _put(self, request_id: str, chunk: Chunk) -> None:
         entry = self._queues.get(request_id)
@@ -256,11 +275,14 @@ class RankBackend:
         key = f"{request_id}#{next(self._ids)}"  # unique on the wire even if a client reuses an id
         self._queues[key] = (asyncio.get_running_loop(), queue)
         done = False
+        left = params.n  # the request's sequences still going
         try:
             self._send(("add", key, list(prompt_ids), params, index))
             while True:
                 chunk = await queue.get()
-                done = chunk.finish_reason is not None
+                if chunk.finish_reason is not None:
+                    left = 0 if chunk.finish_reason == "abort" else left - 1
+                done = left == 0
                 yield chunk
                 if done:
                     return
@@ -318,7 +340,7 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
             {
                 "max_model_len": scheduler.max_len,
                 "vocab_size": engine.runner.vocab_size,
-                "kv_blocks_total": scheduler.allocator.num_blocks,
+                "kv_blocks_total": scheduler.blocks.num_blocks,
             },
         )
     )
@@ -361,14 +383,11 @@ def _serve(engine: Any, conn: Connection) -> None:
         return messages
 
     def emit(outputs: list[Any]) -> None:
-        stats = {
-            "running": float(len(scheduler.running)),
-            "waiting": float(len(scheduler.waiting)),
-            "kv_blocks_used": float(scheduler.allocator.used),
-            "kv_blocks_total": float(scheduler.allocator.num_blocks),
-            "steps": float(engine.steps),
-        }
-        conn.send(("out", [(o.request_id, o.token, o.finish_reason) for o in outputs], stats))
+        stats = {**scheduler.stats(), "steps": float(engine.steps)}
+        wants = [
+            (o.request_id, o.index, o.token, o.finish_reason, o.logprob, o.top, o.prompt, o.sampled) for o in outputs
+        ]
+        conn.send(("out", wants, stats))
 
     try:
         engine.serve(receive, emit)

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tessera.serve.backend import Backend, Tokenizer
-from tessera.serve.generation import Generation, Job
+from tessera.serve.generation import Event, Generation, Job
 from tessera.serve.metrics import ServerMetrics
 from tessera.serve.protocol import (
     APIError,
@@ -33,7 +33,15 @@ from tessera.serve.protocol import (
     resolve_max_tokens,
     sampling_params,
 )
-from tessera.serve.responses import DONE_EVENT, ChatShape, CompletionShape, error_body, model_card, server_sent_event
+from tessera.serve.responses import (
+    DONE_EVENT,
+    ChatShape,
+    CompletionShape,
+    error_body,
+    model_card,
+    server_sent_event,
+    usage,
+)
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -81,23 +89,66 @@ async def wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def join_pieces(generation: Generation) -> str:
-    """The whole answer's text."""
-    return "".join([piece async for piece in generation.pieces()])
+async def run_to_end(generation: Generation) -> None:
+    """Every event of ``generation`` (its answers fill as they come)."""
+    async for _ in generation.events():
+        pass
 
 
-async def text_unless_client_leaves(request: Request, generation: Generation) -> str | None:
-    """The whole answer's text, or None when the client left first (the generation is then
-    cancelled; :meth:`Generation.close` aborts it)."""
-    collector = asyncio.ensure_future(join_pieces(generation))
-    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+async def answers_unless_client_leaves(request: Request, generations: Sequence[Generation]) -> bool:
+    """Run every prompt's generation to its end; False when the client left first (the
+    generations are then cancelled; :meth:`Generation.close` aborts them)."""
+    collector: asyncio.Future[Any] = asyncio.ensure_future(asyncio.gather(*(run_to_end(g) for g in generations)))
+    watcher: asyncio.Future[Any] = asyncio.ensure_future(wait_for_disconnect(request))
     try:
         await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         collector.cancel()  # no-op once done
         watcher.cancel()
         await asyncio.gather(collector, watcher, return_exceptions=True)
-    return None if collector.cancelled() else collector.result()
+    if collector.cancelled():
+        return False
+    collector.result()  # an exception in a generation is raised here
+    return True
+
+
+async def merged(generations: Sequence[Generation]) -> AsyncIterator[Event]:
+    """The events of several generations as they come (one generation: its own, in order)."""
+    if len(generations) == 1:
+        async for event in generations[0].events():
+            yield event
+        return
+    queue: asyncio.Queue[Event | BaseException | None] = asyncio.Queue()
+
+    async def pump(generation: Generation) -> None:
+        try:
+            async for event in generation.events():
+                await queue.put(event)
+        except BaseException as error:  # handed to the consumer, which raises it
+            await queue.put(error)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(g)) for g in generations]
+    running = len(tasks)
+    try:
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def total_usage(generations: Sequence[Generation]) -> dict[str, int]:
+    """OpenAI's ``usage``: every prompt's tokens once, every choice's generated tokens."""
+    return usage(sum(len(g.job.prompts[g.prompt]) for g in generations), sum(g.completion_tokens for g in generations))
 
 
 class OpenAIServer:
@@ -141,51 +192,86 @@ class OpenAIServer:
     # Requests to jobs ------------------------------------------------------------------------
 
     def completion_job(self, body: Any, arrived: float) -> Job:
-        """A ``/v1/completions`` body as a job (the prompt encoded, or its token ids checked)."""
+        """A ``/v1/completions`` body as a job (each prompt encoded, or its token ids checked)."""
         request: CompletionRequest = parse_request(CompletionRequest, body)
         adapter = check_model(request.model, self.served_name, self.backend.info.adapters)
-        prompt = request.prompt_text_or_ids()
-        if isinstance(prompt, str):
-            prompt_ids = list(self.backend.tokenizer.encode(prompt))
-        else:
-            prompt_ids = check_token_ids(prompt, self.backend.info.vocab_size)
-        return self.job(request, prompt_ids, request.max_tokens, COMPLETIONS, arrived, adapter)
+        prompts = []
+        for prompt in request.prompts():
+            if isinstance(prompt, str):
+                prompts.append(list(self.backend.tokenizer.encode(prompt)))
+            else:
+                prompts.append(check_token_ids(prompt, self.backend.info.vocab_size))
+        if len(prompts) * request.n > self.limits.max_choices:
+            message = f"{len(prompts)} prompts x n={request.n} choices is more than this server answers at once ({self.limits.max_choices})"
+            raise APIError(400, message, param="n")
+        logprobs = request.logprobs
+        return self.job(
+            request,
+            prompts,
+            request.max_tokens,
+            COMPLETIONS,
+            arrived,
+            adapter,
+            logprobs=logprobs,
+            echo=request.echo,
+        )
 
     def chat_job(self, body: Any, arrived: float) -> Job:
         """A ``/v1/chat/completions`` body as a job (the messages through the chat template)."""
         request: ChatCompletionRequest = parse_request(ChatCompletionRequest, body)
         adapter = check_model(request.model, self.served_name, self.backend.info.adapters)
         prompt_ids = chat_prompt(self.backend.tokenizer, request.messages)
-        return self.job(request, prompt_ids, request.requested_max_tokens, CHAT_COMPLETIONS, arrived, adapter)
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        return self.job(
+            request, [prompt_ids], request.requested_max_tokens, CHAT_COMPLETIONS, arrived, adapter, logprobs=logprobs
+        )
 
     def job(
         self,
         request: SamplingFields,
-        prompt_ids: list[int],
+        prompts: list[list[int]],
         max_tokens: int | None,
         endpoint: str,
         arrived: float,
         adapter: str | None = None,
+        *,
+        logprobs: int | None = None,
+        echo: bool = False,
     ) -> Job:
         """The checks and the parts both endpoints share, and the job's id and response shape
         (answering under the adapter's name when the request named one)."""
-        check_prompt_length(len(prompt_ids), self.limits)
         context = self.backend.info.max_model_len
-        granted = resolve_max_tokens(max_tokens, len(prompt_ids), context, self.limits)
-        params = sampling_params(request, granted, self.backend.tokenizer.eos_token_id)
+        granted = []
+        for prompt_ids in prompts:
+            check_prompt_length(len(prompt_ids), self.limits)
+            granted.append(resolve_max_tokens(max_tokens, len(prompt_ids), context, self.limits))
+        params = sampling_params(
+            request,
+            min(granted),
+            self.backend.tokenizer.eos_token_id,
+            vocab_size=self.backend.info.vocab_size,
+            logprobs=logprobs,
+            prompt_logprobs=logprobs if echo and logprobs is not None else None,
+        )
         chat = endpoint == CHAT_COMPLETIONS
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         shape_type = ChatShape if chat else CompletionShape
+        tokenizer = self.backend.tokenizer
         return Job(
             request_id=request_id,
             endpoint=endpoint,
-            prompt_ids=prompt_ids,
+            prompts=prompts,
             params=params,
             stream=request.stream,
             include_usage=request.include_usage,
-            shape=shape_type(request_id, int(time.time()), adapter or self.served_name),
+            shape=shape_type(
+                request_id, int(time.time()), adapter or self.served_name, lambda t: tokenizer.decode([t])
+            ),
             arrived=arrived,
             adapter=adapter,
+            echo=echo,
+            logprobs=logprobs is not None,
+            prompt_texts=[tokenizer.decode(p) for p in prompts] if echo else [],
         )
 
     async def admitted_job(self, request: Request, build: Callable[[Any, float], Job]) -> Job:
@@ -194,67 +280,73 @@ class OpenAIServer:
         body = await read_json_body(request, self.limits.max_body_bytes)
         job = build(body, arrived)
         self.admit()
-        self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+        self.metrics.prompt_tokens.inc(sum(len(p) for p in job.prompts))
         return job
 
     # Answers ---------------------------------------------------------------------------------
 
     async def answer(self, job: Job, request: Request) -> dict[str, Any] | None:
         """The whole answer's JSON, or None when the client left; 500 when the engine failed."""
-        generation = Generation(self.backend, job, self.metrics)
+        generations = [Generation(self.backend, job, self.metrics, i) for i in range(len(job.prompts))]
         try:
-            text = await text_unless_client_leaves(request, generation)
+            done = await answers_unless_client_leaves(request, generations)
         finally:
-            await self.finish(generation)
-        if text is None:
+            await self.finish(job, generations)
+        if not done:
             self.count(job.endpoint, CLIENT_GONE)
             return None
-        if generation.error is not None:
-            raise APIError(500, f"generation failed: {generation.error}", "server_error", code="engine_error")
+        failed = next((g.error for g in generations if g.error is not None), None)
+        if failed is not None:
+            raise APIError(500, f"generation failed: {failed}", "server_error", code="engine_error")
         self.count(job.endpoint, 200)
-        return job.shape.response(text, generation.finish_reason, generation.usage())
+        choices = [answer for g in generations for answer in g.answers]
+        return job.shape.response(choices, total_usage(generations))
 
     def stream(self, job: Job) -> tuple[AsyncIterator[str], Callable[[], Awaitable[None]]]:
         """The answer as server-sent events, and what to run once the response is over (however
         it ended: complete, the client gone, never started)."""
-        generation = Generation(self.backend, job, self.metrics)
+        generations = [Generation(self.backend, job, self.metrics, i) for i in range(len(job.prompts))]
 
         async def on_close() -> None:
-            await self.finish(generation)
-            status = 200 if generation.finish_reason else 500 if generation.error else CLIENT_GONE
-            self.count(job.endpoint, status)
+            await self.finish(job, generations)
+            ended = all(g.ended for g in generations)
+            failed = any(g.error for g in generations)
+            self.count(job.endpoint, 500 if failed else 200 if ended else CLIENT_GONE)
 
-        return self.events(generation), on_close
+        return self.events(job, generations), on_close
 
-    async def events(self, generation: Generation) -> AsyncIterator[str]:
-        """Opening chunks, a chunk per text piece, then the closing chunk (and usage when asked)
-        or an error event; ``[DONE]`` last."""
-        shape = generation.job.shape
-        for chunk in shape.opening_chunks():
+    async def events(self, job: Job, generations: list[Generation]) -> AsyncIterator[str]:
+        """Opening chunks, a chunk per text piece of each choice, then each choice's closing
+        chunk (and usage when asked) or an error event; ``[DONE]`` last."""
+        shape = job.shape
+        for chunk in shape.opening_chunks(job.choices):
             yield server_sent_event(chunk)
         try:
-            async for piece in generation.pieces():
-                yield server_sent_event(shape.text_chunk(piece))
+            async for event in merged(generations):
+                yield server_sent_event(shape.text_chunk(event.index, event.text, event.entries, event.start))
         except Exception as error:  # the 200 is sent: the client hears of it as an error event
-            log.exception("request %s failed while streaming", generation.job.request_id)
-            generation.fail(internal_error(error).message)
-        if generation.error is not None:
-            message = f"generation failed: {generation.error}"
+            log.exception("request %s failed while streaming", job.request_id)
+            generations[0].fail(internal_error(error).message)
+        failed = next((g.error for g in generations if g.error is not None), None)
+        if failed is not None:
+            message = f"generation failed: {failed}"
             yield server_sent_event(error_body(message, "server_error", code="engine_error"))
         else:
-            yield server_sent_event(shape.closing_chunk(generation.finish_reason))
-            if generation.job.include_usage:
-                yield server_sent_event(shape.usage_chunk(generation.usage()))
+            for answer in (a for g in generations for a in g.answers):
+                yield server_sent_event(shape.closing_chunk(answer.index, answer.finish_reason))
+            if job.include_usage:
+                yield server_sent_event(shape.usage_chunk(total_usage(generations)))
         yield DONE_EVENT
 
-    async def finish(self, generation: Generation) -> None:
-        """After an answer: the backend's request aborted or closed, the slot released, the
+    async def finish(self, job: Job, generations: Sequence[Generation]) -> None:
+        """After an answer: the backend's requests aborted or closed, the slot released, the
         latency recorded."""
         try:
-            await generation.close()
+            for generation in generations:
+                await generation.close()
         finally:
             self.release()
-            self.metrics.latency.observe(time.monotonic() - generation.job.arrived)
+            self.metrics.latency.observe(time.monotonic() - job.arrived)
 
     # Other endpoints -------------------------------------------------------------------------
 

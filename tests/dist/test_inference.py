@@ -150,6 +150,7 @@ def test_greedy_generation_gives_the_reference_tokens(pools, saved, expected, la
 
 
 ARRIVING = 16
+SHARED = [7, 3, 19, 40, 2, 2, 61, 30, 11, 5, 9, 14, 8, 27, 33, 1]
 
 
 def arriving_prompts() -> list[list[int]]:
@@ -186,6 +187,68 @@ def test_requests_joining_a_running_batch_give_what_each_gives_alone(pools, save
         assert used == 0
         # batched: fewer steps than the requests' tokens one by one
         assert steps < sum(len(t) for t in alone)
+
+
+def scheduling_prompts() -> list[list[int]]:
+    return [SHARED + p for p in arriving_prompts()[:8]]
+
+
+def scheduling(saved: dict[str, Path], pipeline: int, tensor: int) -> dict[str, object]:
+    """Under a layout: prompts sharing a beginning through too few blocks (prefix caching,
+    preemption, prompts prefilled in chunks of 8), greedy; the same alone; a request of n=3
+    sequences with a seed against each seed alone (forks, copy-on-write); and the prompt and
+    sampled tokens' log-probabilities (sent from the sampling rank)."""
+    from tessera.inference.engine import CacheOptions, InferenceEngine
+    from tessera.inference.params import SamplingParams
+
+    ctx = use_layout(pipeline=pipeline, tensor=tensor, data=1)
+    runner = engine_for("llama", saved, ctx).runner
+    prompts = scheduling_prompts()
+    greedy = SamplingParams(max_tokens=16, temperature=0.0)
+    tight = InferenceEngine(runner, ctx, CacheOptions(num_blocks=12, block_size=8, max_prefill_tokens=8))
+    together = [r.tokens for r in tight.generate(prompts, greedy, arrivals=[0, 0, 0, 1, 2, 4, 4, 6])]
+    stats = tight.scheduler.stats() if tight.scheduler is not None else {}
+    roomy = InferenceEngine(runner, ctx, CacheOptions(num_blocks=64, block_size=8))
+    alone = [roomy.generate([p], greedy)[0].tokens for p in prompts]
+    many: dict[int, list[int]] = {}
+    entries: list = []
+    logprobs: list[float] = []
+    if roomy.scheduler is not None:  # rank 0 drives; the others follow
+        roomy.add_request(
+            "many", prompts[0], SamplingParams(max_tokens=10, temperature=1.0, seed=21, n=3, prompt_logprobs=2)
+        )
+        while roomy.scheduler.has_work:
+            for out in roomy.step():
+                entries += out.prompt
+                if out.token is not None:
+                    many.setdefault(out.index, []).append(out.token)
+                    if out.index == 0:
+                        logprobs.append(out.logprob)
+        roomy.finish("done")
+    else:
+        roomy.follow()
+    singles = [
+        roomy.generate([prompts[0]], SamplingParams(max_tokens=10, temperature=1.0, seed=21 + j))[0].tokens
+        for j in range(3)
+    ]
+    return {
+        "together": together, "alone": alone, "stats": stats, "many": [many.get(j) for j in range(3)],
+        "singles": singles, "prompt": [lp for _, lp, _ in entries], "logprobs": logprobs,
+    }  # fmt: skip
+
+
+def test_scheduling_under_pipeline_and_tensor_parallelism_gives_each_requests_tokens_alone(pools, saved):
+    pipeline, tensor = LAYOUTS["pp2-tp2"]  # copies on every rank; choices sent from the last stage
+    driver = pools.run(pipeline * tensor, scheduling, saved, pipeline, tensor)[0]
+    assert driver["together"] == driver["alone"]
+    assert driver["stats"]["preemptions"] > 0 and driver["stats"]["prefix_cache_hit_blocks"] > 0, str(driver["stats"])
+    assert driver["many"] == driver["singles"] and len({tuple(t) for t in driver["many"]}) == 3
+    prompt = scheduling_prompts()[0]
+    with torch.no_grad():  # the log-probabilities of sequence 0's tokens, and of its prompt's
+        want = torch.log_softmax(hf_reference("llama")(torch.tensor([prompt + driver["many"][0]])).logits[0], -1)
+    assert driver["prompt"] == pytest.approx([float(want[i, t]) for i, t in enumerate(prompt[1:])], abs=1e-5)
+    chosen = [float(want[len(prompt) - 1 + k, t]) for k, t in enumerate(driver["many"][0])]
+    assert driver["logprobs"] == pytest.approx(chosen, abs=1e-5)
 
 
 def seeded(saved: dict[str, Path]) -> tuple[list[int], list[int], list[list[int]]]:
