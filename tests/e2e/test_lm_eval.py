@@ -222,9 +222,11 @@ def test_every_loglikelihood_agrees_within_its_tolerance(reference, through_serv
     assert got.keys() == expected.keys()
     for doc_id, doc in expected.items():
         assert got[doc_id]["arguments"] == doc["arguments"]
-        for ((want, want_greedy),), ((ll, greedy),) in zip(doc["resps"], got[doc_id]["resps"], strict=True):
-            assert abs(ll - want) <= LOGLIKELIHOOD_TOL, (doc_id, ll, want)
-            assert greedy == want_greedy, doc_id
+        pairs = zip(doc["arguments"], doc["resps"], got[doc_id]["resps"], strict=True)
+        for (context, continuation), ((want, want_greedy),), ((ll, greedy),) in pairs:
+            request = f"document {doc_id}, {context!r} + {continuation!r}"
+            assert abs(ll - want) <= LOGLIKELIHOOD_TOL, f"{request}: {ll} through the server, {want} by hf"
+            assert greedy == want_greedy, f"{request}: is_greedy {greedy} through the server, {want_greedy} by hf"
 
 
 def test_every_generation_is_the_same_text(reference, through_server):
