@@ -320,7 +320,8 @@ def run(w: Workload | None = None, *, serve: bool = True) -> list[Row]:
     return rows
 
 
-def main(args: argparse.Namespace) -> int:
+def require_extras() -> None:
+    """Raises NotAvailableError naming the extra to install when one of the bench's modules is missing."""
     from tessera.errors import NotAvailableError
 
     for module, extra in (("transformers", "hf"), ("fastapi", "serve"), ("uvicorn", "serve"), ("httpx", "test")):
@@ -328,10 +329,10 @@ def main(args: argparse.Namespace) -> int:
             __import__(module)
         except ImportError as error:
             raise NotAvailableError(f"tessera bench serve needs {module}: pip install 'tessera[{extra}]'") from error
-    if getattr(args, "workload", False):
-        from tessera.bench import serve_load
 
-        return serve_load.main(args)
+
+def main(args: argparse.Namespace) -> int:
+    require_extras()
     w = Workload()
     rows = run(w)
     print_rows(rows)

@@ -19,13 +19,16 @@ at its arrival time and reads its tokens as they stream. Per side and rate:
 - ``tpot_p50_s``, ``tpot_p99_s``: time per output token after the first, per request
   ``(last - first token) / (output tokens - 1)``.
 
-Rows: tessera's server as the value, each transformers side as an anchor.
+Rows: tessera's server as the value, each transformers side as an anchor. Printed beside them:
+the workload as drawn, and per side and rate the makespan and the longest wait between two
+tokens of one stream. All sides are started first; at each rate they run in turn (:func:`measure`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -40,7 +43,7 @@ import torch
 
 from tessera.bench.checks import same_tokens
 from tessera.bench.report import Row, print_rows, write_rows
-from tessera.bench.serve import build_llama, nearest_rank
+from tessera.bench.serve import build_llama, nearest_rank, require_extras
 from tessera.bench.serve_load_sides import HF_CB, HF_STATIC, SIDES, TESSERA, Side
 
 METRICS = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")
@@ -62,8 +65,9 @@ class LoadWorkload:
     context: int = 1024
     requests: int = 64
     """Requests per rate."""
-    rates: tuple[float, ...] = (1.0, 6.0)
-    """Arrival rates, requests per second: a low one and one at which static batches saturate."""
+    rates: tuple[float, ...] = (2.0, 8.0, 24.0)
+    """Arrival rates, requests per second: one every side keeps up with, about what static batches
+    sustain on one thread (~300 tokens/s, 8 requests/s), and well past it."""
     prompt_median: float = 48.0
     prompt_sigma: float = 1.0
     prompt_max: int = 512
@@ -150,12 +154,14 @@ def arrivals(requests: list[Request], rate: float) -> list[float]:
 @dataclass(frozen=True)
 class Served:
     """One request on one side: seconds from the first arrival to its arrival, and from its
-    arrival to its first token and to its last; the tokens it got."""
+    arrival to its first token and to its last; the tokens it got; the longest wait between two
+    of its tokens (a stream held up, by another request's prefill for one)."""
 
     arrival: float
     first: float
     last: float
     tokens: list[int] = field(repr=False)
+    stall: float = 0.0
 
 
 async def drive(side: Side, requests: list[Request], rate: float) -> list[Served]:
@@ -166,23 +172,59 @@ async def drive(side: Side, requests: list[Request], rate: float) -> list[Served
     async def one(request: Request, at: float) -> Served:
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
         tokens: list[int] = []
-        first = None
+        first = previous = None
+        stall = 0.0
         async for ids in side.stream(request.prompt, request.max_tokens):
-            if first is None:
-                first = time.perf_counter() - start - at
+            now = time.perf_counter() - start - at
+            if previous is None:
+                first = now
+            else:
+                stall = max(stall, now - previous)
+            previous = now
             tokens += ids
         if first is None or len(tokens) != request.max_tokens:
             raise RuntimeError(f"a request got {len(tokens)} tokens, {request.max_tokens} were asked for")
-        return Served(at, first, time.perf_counter() - start - at, tokens)
+        return Served(at, first, time.perf_counter() - start - at, tokens, stall)
 
     return list(await asyncio.gather(*(one(r, at) for r, at in zip(requests, times, strict=True))))
 
 
-async def measure(open_side: Any, model: torch.nn.Module, w: LoadWorkload, requests: list[Request]) -> dict:
-    """One side: started once, warmed up (two short requests at once), then each rate in turn."""
-    async with open_side(model, w) as side:
-        await drive(side, [dataclasses.replace(r, max_tokens=2) for r in requests[:2]], math.inf)
-        return {rate: await drive(side, requests, rate) for rate in w.rates}
+async def measure(
+    model: torch.nn.Module, w: LoadWorkload, requests: list[Request], sides: tuple[str, ...]
+) -> tuple[dict[str, dict[float, list[Served]]], dict[str, str]]:
+    """Each side's answers at each rate, and why the sides that could not run did not.
+
+    Every side is started at once and warmed up (two short requests at once); an idle side
+    waits without computing. Then at each rate every side runs in turn, the order reversed from
+    one rate to the next, so that a machine whose load drifts weighs on every side alike. A
+    required side that fails raises; another is left out with its error."""
+    served: dict[str, dict[float, list[Served]]] = {}
+    missing: dict[str, str] = {}
+    warm_up = [dataclasses.replace(r, max_tokens=2) for r in requests[:2]]
+    async with contextlib.AsyncExitStack() as stack:
+        opened: dict[str, Side] = {}
+        for name in sides:
+            try:
+                opened[name] = await stack.enter_async_context(SIDES[name](copy.deepcopy(model), w))
+                await drive(opened[name], warm_up, math.inf)
+            except Exception as error:
+                if name in REQUIRED:
+                    raise
+                opened.pop(name, None)
+                missing[name] = f"{type(error).__name__}: {error}"
+        served = {name: {} for name in opened}
+        for i, rate in enumerate(w.rates):
+            for name in list(opened) if i % 2 == 0 else list(opened)[::-1]:
+                if name in missing:
+                    continue
+                try:
+                    served[name][rate] = await drive(opened[name], requests, rate)
+                except Exception as error:
+                    if name in REQUIRED:
+                        raise
+                    del served[name]
+                    missing[name] = f"{type(error).__name__}: {error}"
+    return served, missing
 
 
 def check_same_tokens(rate: float, served: dict[str, list[Served]]) -> None:
@@ -206,23 +248,14 @@ class Outcome:
 
 
 def run(w: LoadWorkload | None = None, sides: tuple[str, ...] = tuple(SIDES)) -> Outcome:
-    """Every side of ``sides`` under the workload, one after the other, each at every rate; the
-    tokens checked. A required side that fails raises; another is left out with its reason."""
+    """Every side of ``sides`` under the workload at every rate (:func:`measure`), the tokens checked."""
     w = w or LoadWorkload()
     threads = torch.get_num_threads()
     torch.set_num_threads(w.threads)
     try:
         model = build_llama(w, positions=w.context)
         requests = requests_of(w)
-        served: dict[str, dict[float, list[Served]]] = {}
-        missing: dict[str, str] = {}
-        for name in sides:
-            try:
-                served[name] = asyncio.run(measure(SIDES[name], copy.deepcopy(model), w, requests))
-            except Exception as error:
-                if name in REQUIRED:
-                    raise
-                missing[name] = f"{type(error).__name__}: {error}"
+        served, missing = asyncio.run(measure(model, w, requests, sides))
         for rate in w.rates:
             check_same_tokens(rate, {name: by_rate[rate] for name, by_rate in served.items()})
     finally:
@@ -282,8 +315,13 @@ def describe(w: LoadWorkload, outcome: Outcome) -> str:
         f"tokens; tessera over HTTP (streamed /v1/completions, one rank), HF in process",
     ]
     for name, by_rate in outcome.served.items():
-        spans = ", ".join(f"{rate:g}/s {max(a.arrival + a.last for a in ans):.1f} s" for rate, ans in by_rate.items())
-        lines.append(f"{name}: makespan {spans}")
+        for rate, answers in by_rate.items():
+            stalls = [a.stall for a in answers]
+            lines.append(
+                f"{name} at {rate:g}/s: makespan {max(a.arrival + a.last for a in answers):.2f} s; the longest wait "
+                f"between two tokens of a stream: median {statistics.median(stalls) * 1e3:.0f} ms, "
+                f"max {max(stalls) * 1e3:.0f} ms"
+            )
     lines += [f"{name}: not run: {why}" for name, why in outcome.missing.items()]
     return "\n".join(lines)
 
@@ -318,6 +356,7 @@ def workload_of(args: argparse.Namespace) -> LoadWorkload:
 
 
 def main(args: argparse.Namespace) -> int:
+    require_extras()
     w = workload_of(args)
     outcome = run(w)
     rows = rows_of(w, outcome)

@@ -42,17 +42,23 @@ class Side(Protocol):
         ...
 
 
-class Limits(Protocol):
+class Sizes(Protocol):
     """What the sides take from the workload (``serve_load.LoadWorkload``)."""
 
-    vocab: int
-    context: int
-    requests: int
-    max_batch: int
-    block_size: int
-    max_prefill_tokens: int
-    threads: int
-
+    @property
+    def vocab(self) -> int: ...
+    @property
+    def context(self) -> int: ...
+    @property
+    def requests(self) -> int: ...
+    @property
+    def max_batch(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def max_prefill_tokens(self) -> int: ...
+    @property
+    def threads(self) -> int: ...
     @property
     def kv_blocks(self) -> int: ...
 
@@ -96,20 +102,20 @@ class ServerClient:
 
 
 @asynccontextmanager
-async def tessera_server(model: torch.nn.Module, w: Limits) -> AsyncIterator[Side]:
+async def tessera_server(model: torch.nn.Module, w: Sizes) -> AsyncIterator[Side]:
     """The real server on ``model``: a :class:`~tessera.serve.ranks.RankBackend` of one rank
     (``w.max_batch`` running sequences, ``w.kv_blocks`` KV blocks of ``w.block_size`` tokens, so
     every request is admitted as soon as a batch slot is free), no request limit in the way."""
     import httpx
 
     from tessera.bench.serve import served
-    from tessera.serve.app import Limits as ServerLimits
+    from tessera.serve.app import Limits
     from tessera.serve.ranks import EngineOptions
 
     options = EngineOptions(
         num_blocks=w.kv_blocks, block_size=w.block_size, max_batch=w.max_batch, max_prefill_tokens=w.max_prefill_tokens
     )
-    limits = ServerLimits(max_prompt_tokens=w.context, max_tokens=w.context, max_concurrent_requests=w.requests + 1)
+    limits = Limits(max_prompt_tokens=w.context, max_tokens=w.context, max_concurrent_requests=w.requests + 1)
     with served(model, w.vocab, options, limits, w.threads) as url:
         connections = httpx.Limits(max_connections=w.requests + 1)
         async with httpx.AsyncClient(base_url=url, timeout=600, limits=connections) as client:
@@ -216,7 +222,7 @@ class StaticBatches:
 
 
 @asynccontextmanager
-async def hf_static_batches(model: torch.nn.Module, w: Limits) -> AsyncIterator[Side]:
+async def hf_static_batches(model: torch.nn.Module, w: Sizes) -> AsyncIterator[Side]:
     batches = StaticBatches(model, w.max_batch)
     try:
         yield batches
@@ -227,7 +233,7 @@ async def hf_static_batches(model: torch.nn.Module, w: Limits) -> AsyncIterator[
 class ContinuousBatches:
     """transformers' continuous batching manager, streaming each request's tokens."""
 
-    def __init__(self, model: torch.nn.Module, w: Limits) -> None:
+    def __init__(self, model: torch.nn.Module, w: Sizes) -> None:
         import transformers
 
         config = transformers.ContinuousBatchingConfig(
@@ -266,7 +272,7 @@ class ContinuousBatches:
 
 
 @asynccontextmanager
-async def hf_continuous_batches(model: torch.nn.Module, w: Limits) -> AsyncIterator[Side]:
+async def hf_continuous_batches(model: torch.nn.Module, w: Sizes) -> AsyncIterator[Side]:
     batches = ContinuousBatches(copy.deepcopy(model), w)  # the manager switches the model's attention
     try:
         yield batches
@@ -274,7 +280,7 @@ async def hf_continuous_batches(model: torch.nn.Module, w: Limits) -> AsyncItera
         batches.close()
 
 
-SIDES: dict[str, Callable[[torch.nn.Module, Limits], Any]] = {
+SIDES: dict[str, Callable[[torch.nn.Module, Sizes], Any]] = {
     TESSERA: tessera_server,
     HF_STATIC: hf_static_batches,
     HF_CB: hf_continuous_batches,

@@ -155,8 +155,8 @@ BENCH_HELP: dict[str, str] = {
     "serve": "generation: greedy tokens/s of tessera's engine vs HF generate on the same LLaMA at batch 1 and 16, "
     "and time to first token of the OpenAI server under 8 concurrent streaming clients, 1 process and 1 rank "
     "(about 20 s); --workload: the server under Poisson arrivals of long-tailed prompts and outputs, half with a "
-    "shared system prompt, vs HF generate in static batches and transformers' continuous batching at 1 and 6 "
-    "requests/s: tokens/s, time to first token and per output token (about TBD min; --rates, --requests, "
+    "shared system prompt, vs HF generate in static batches and transformers' continuous batching at 2, 8 and 24 "
+    "requests/s: tokens/s, time to first token and per output token (about 3 min; --rates, --requests, "
     "--set KEY=VALUE); needs the hf and serve extras and httpx",
     "plan": "the planner's predicted peak memory and step time against measurement for 24 layouts of GPT small, "
     "2, 4 and 8 ranks (about 10 min; --calibrate ranks the step times, about 2 min more); --scenarios: how long "
@@ -214,7 +214,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if workload_flags and not getattr(args, "workload", False):
         raise ConfigError(f"{', '.join(workload_flags)} set the workload of `tessera bench serve --workload`")
     print(f"tessera bench {args.target}: {BENCH_HELP[args.target]}", file=sys.stderr, flush=True)
-    module, func = BENCH_TARGETS[args.target].split(":")
+    target = "tessera.bench.serve_load:main" if getattr(args, "workload", False) else BENCH_TARGETS[args.target]
+    module, func = target.split(":")
     return int(getattr(importlib.import_module(module), func)(args) or 0)
 
 

@@ -65,7 +65,7 @@ def test_bench_serve_workload_rows(tmp_path):
         for rate, answers in by_rate.items():
             assert [len(a.tokens) for a in answers] == asked
             assert [a.tokens for a in answers] == [a.tokens for a in outcome.served[sides.HF_STATIC][rate]]
-            assert all(0 < a.first <= a.last for a in answers)
+            assert all(0 < a.first <= a.last and 0 <= a.stall <= a.last - a.first for a in answers)
     data = check(serve_load.rows_of(LOAD, outcome), tmp_path, set(serve_load.METRICS))
     assert [(row["name"], row["metric"], row["anchor"]) for row in data] == [
         (f"load llama h32 l2 {rate}/s", metric, anchor)
