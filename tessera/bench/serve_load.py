@@ -130,17 +130,21 @@ def _lognormal(rng: random.Random, median: float, sigma: float, low: int, high: 
     return min(high, max(low, round(rng.lognormvariate(math.log(median), sigma))))
 
 
-def requests_of(w: LoadWorkload) -> list[Request]:
-    """The workload's requests, the same for every seed ``w.seed`` (Python's ``random``)."""
+def requests_of(w: LoadWorkload, draw: int = 0) -> list[Request]:
+    """The workload's requests (seeded by ``w.seed``, Python's ``random``). Every ``draw`` has the
+    same lengths, gaps and system prompt; ``draw`` picks the token ids of the requests' own
+    prompts, so that no draw finds its prompts in a cache an earlier draw filled (each rate, and
+    the warm-up, has its own: a prefix cache keeps only the system prompt from one to the next)."""
     rng = random.Random(w.seed)
+    ids = random.Random(f"{w.seed}/{draw}")
     prefix = [rng.randrange(1, w.vocab) for _ in range(w.prefix_tokens)]
     shared = set(rng.sample(range(w.requests), round(w.prefix_fraction * w.requests)))
     requests = []
     for i in range(w.requests):
         own = _lognormal(rng, w.prompt_median, w.prompt_sigma, 1, w.prompt_max)
-        prompt = [rng.randrange(1, w.vocab) for _ in range(own)]
         max_tokens = _lognormal(rng, w.output_median, w.output_sigma, 2, w.output_max)
         gap = rng.expovariate(1.0) if i else 0.0
+        prompt = [ids.randrange(1, w.vocab) for _ in range(own)]
         requests.append(Request(prefix + prompt if i in shared else prompt, max_tokens, i in shared, gap))
     return requests
 
@@ -190,9 +194,10 @@ async def drive(side: Side, requests: list[Request], rate: float) -> list[Served
 
 
 async def measure(
-    model: torch.nn.Module, w: LoadWorkload, requests: list[Request], sides: tuple[str, ...]
+    model: torch.nn.Module, w: LoadWorkload, requests: dict[float, list[Request]], sides: tuple[str, ...]
 ) -> tuple[dict[str, dict[float, list[Served]]], dict[str, str]]:
-    """Each side's answers at each rate, and why the sides that could not run did not.
+    """Each side's answers to ``requests[rate]`` at each rate, and why the sides that could not
+    run did not.
 
     Every side is started at once and warmed up (two short requests at once); an idle side
     waits without computing. Then at each rate every side runs in turn, the order reversed from
@@ -200,7 +205,7 @@ async def measure(
     required side that fails raises; another is left out with its error."""
     served: dict[str, dict[float, list[Served]]] = {}
     missing: dict[str, str] = {}
-    warm_up = [dataclasses.replace(r, max_tokens=2) for r in requests[:2]]
+    warm_up = [dataclasses.replace(r, max_tokens=2) for r in requests_of(w, draw=len(w.rates))[:2]]
     async with contextlib.AsyncExitStack() as stack:
         opened: dict[str, Side] = {}
         for name in sides:
@@ -218,7 +223,7 @@ async def measure(
                 if name in missing:
                     continue
                 try:
-                    served[name][rate] = await drive(opened[name], requests, rate)
+                    served[name][rate] = await drive(opened[name], requests[rate], rate)
                 except Exception as error:
                     if name in REQUIRED:
                         raise
@@ -241,7 +246,7 @@ def check_same_tokens(rate: float, served: dict[str, list[Served]]) -> None:
 # ---- the whole benchmark ---------------------------------------------------------------------------
 @dataclass
 class Outcome:
-    requests: list[Request]
+    requests: dict[float, list[Request]]  # rate -> its draw (the same lengths at every rate)
     served: dict[str, dict[float, list[Served]]]  # side -> rate -> each request, in order
     missing: dict[str, str]  # side -> why it did not run
     params: int
@@ -254,7 +259,7 @@ def run(w: LoadWorkload | None = None, sides: tuple[str, ...] = tuple(SIDES)) ->
     torch.set_num_threads(w.threads)
     try:
         model = build_llama(w, positions=w.context)
-        requests = requests_of(w)
+        requests = {rate: requests_of(w, draw) for draw, rate in enumerate(w.rates)}
         served, missing = asyncio.run(measure(model, w, requests, sides))
         for rate in w.rates:
             check_same_tokens(rate, {name: by_rate[rate] for name, by_rate in served.items()})
@@ -296,7 +301,7 @@ def _spread(values: list[int]) -> str:
 
 def describe(w: LoadWorkload, outcome: Outcome) -> str:
     """The workload, as printed beside the rows."""
-    requests = outcome.requests
+    requests = next(iter(outcome.requests.values()))
     shared = sum(r.shared for r in requests)
     own = [len(r.prompt) - (w.prefix_tokens if r.shared else 0) for r in requests]
     lines = [

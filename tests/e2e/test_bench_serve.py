@@ -59,7 +59,9 @@ def test_bench_serve_workload_rows(tmp_path):
     exactly the tokens it asked for, the same greedy tokens on each side, at both rates."""
     outcome = serve_load.run(LOAD)
     assert outcome.missing == {} and list(outcome.served) == [sides.TESSERA, sides.HF_STATIC, sides.HF_CB]
-    asked = [r.max_tokens for r in outcome.requests]
+    asked = [r.max_tokens for r in outcome.requests[20.0]]
+    assert [r.max_tokens for r in outcome.requests[200.0]] == asked  # the same lengths, other token ids
+    assert [r.prompt for r in outcome.requests[200.0]] != [r.prompt for r in outcome.requests[20.0]]
     for by_rate in outcome.served.values():
         assert list(by_rate) == [20.0, 200.0]
         for rate, answers in by_rate.items():
@@ -81,12 +83,18 @@ def test_workload_requests_are_seeded_long_tailed_and_fit_the_context():
     w = dataclasses.replace(LOAD, requests=400, prompt_max=80, output_max=32, prefix_fraction=0.25)
     requests = serve_load.requests_of(w)
     assert requests == serve_load.requests_of(w)
+    other = serve_load.requests_of(w, draw=1)
+    assert [(len(r.prompt), r.max_tokens, r.shared, r.gap) for r in other] == [
+        (len(r.prompt), r.max_tokens, r.shared, r.gap) for r in requests
+    ]
+    assert all(a.prompt[:16] == b.prompt[:16] for a, b in zip(requests, other) if a.shared)  # the system prompt
+    assert sum(a.prompt[16 * a.shared :] != b.prompt[16 * b.shared :] for a, b in zip(requests, other)) > 390
     assert sum(r.shared for r in requests) == 100
     prefix = next(r.prompt[:16] for r in requests if r.shared)
     assert all(r.prompt[:16] == prefix for r in requests if r.shared)
     own = [len(r.prompt) - 16 * r.shared for r in requests]
-    assert 1 <= min(own) and max(own) == 80  # the tail reaches the cap
     assert statistics.median(own) == pytest.approx(8, abs=2)
+    assert 1 <= min(own) and 6 * statistics.median(own) <= max(own) <= 80  # a long tail, cut at prompt_max
     assert 2 <= min(r.max_tokens for r in requests) and max(r.max_tokens for r in requests) <= 32
     assert max(len(r.prompt) + r.max_tokens for r in requests) <= w.context
     slow, fast = serve_load.arrivals(requests, 2.0), serve_load.arrivals(requests, 8.0)
