@@ -94,8 +94,8 @@ class LoadWorkload:
             raise ConfigError(
                 f"prefix_tokens + prompt_max + output_max = {longest} is more than the model's context ({self.context})"
             )
-        if not self.rates or any(not rate > 0 for rate in self.rates):
-            raise ConfigError(f"rates={self.rates} must be one or more positive requests per second")
+        if not self.rates or any(not rate > 0 for rate in self.rates) or len(set(self.rates)) < len(self.rates):
+            raise ConfigError(f"rates={self.rates} must be one or more distinct positive requests per second")
         if min(self.requests, self.max_batch, self.prompt_max, self.threads) < 1 or self.output_max < 2:
             raise ConfigError("requests, max_batch, prompt_max and threads must be at least 1, output_max at least 2")
         if not 0.0 <= self.prefix_fraction <= 1.0:
@@ -203,7 +203,6 @@ async def measure(
     waits without computing. Then at each rate every side runs in turn, the order reversed from
     one rate to the next, so that a machine whose load drifts weighs on every side alike. A
     required side that fails raises; another is left out with its error."""
-    served: dict[str, dict[float, list[Served]]] = {}
     missing: dict[str, str] = {}
     warm_up = [dataclasses.replace(r, max_tokens=2) for r in requests_of(w, draw=len(w.rates))[:2]]
     async with contextlib.AsyncExitStack() as stack:
@@ -217,7 +216,7 @@ async def measure(
                     raise
                 opened.pop(name, None)
                 missing[name] = f"{type(error).__name__}: {error}"
-        served = {name: {} for name in opened}
+        served: dict[str, dict[float, list[Served]]] = {name: {} for name in opened}
         for i, rate in enumerate(w.rates):
             for name in list(opened) if i % 2 == 0 else list(opened)[::-1]:
                 if name in missing:

@@ -131,10 +131,16 @@ def test_workload_from_the_command_line():
     args = build_parser().parse_args(["bench", "serve", *flags.split()])
     w = serve_load.workload_of(args)
     assert (w.rates, w.requests, w.hidden, w.prefix_fraction) == ((0.5, 4.0), 12, 128, 0.0)
-    for bad, match in ((["--set", "hiden=128"], "KEY one of vocab, hidden"), (["--set", "layers=2.5"], "layers takes an integer"),
-                       (["--set", "prompt_max=1000"], "more than the model's context"), (["--rates", "1,x"], "--rates")):  # fmt: skip
+    refused = {
+        "--set hiden=128": "KEY one of vocab, hidden",
+        "--set layers=2.5": "layers takes an integer",
+        "--set prompt_max=1000": "more than the model's context",
+        "--rates 1,x": "--rates",
+        "--rates 2,2": "distinct",
+    }
+    for bad, match in refused.items():
         with pytest.raises(ConfigError, match=match):
-            serve_load.workload_of(build_parser().parse_args(["bench", "serve", "--workload", *bad]))
+            serve_load.workload_of(build_parser().parse_args(["bench", "serve", "--workload", *bad.split()]))
 
     for flags in (["dp", "--workload"], ["serve", "--rates", "1"]):  # refused before anything runs
         args = build_parser().parse_args(["bench", *flags])
