@@ -1,5 +1,6 @@
 """``tessera bench serve``: tessera's generation engine against Hugging Face ``generate`` on the
 same model, and the OpenAI-compatible server under concurrent streaming clients, on CPU.
+(``--workload``: the server under a realistic load, in ``tessera.bench.serve_load``.)
 
 One process, one small random ``LlamaForCausalLM`` (grouped-query attention, float32; no
 download), the same weights on every side:
@@ -77,11 +78,18 @@ class Workload:
 
 def build_model(w: Workload) -> torch.nn.Module:
     """The plain transformers model every side runs (seeded: the same weights every time)."""
+    return build_llama(w, positions=w.prompt + w.new_tokens + 32)
+
+
+def build_llama(w: Any, positions: int) -> torch.nn.Module:
+    """A random ``LlamaForCausalLM`` of ``w``'s shape (``vocab``, ``hidden``, ``layers``, ``heads``,
+    ``kv_heads``, ``intermediate``) and ``positions`` positions, float32, seeded; no end-of-sequence
+    token, so greedy generation runs to ``max_tokens`` on every side."""
     import transformers
 
     config = transformers.LlamaConfig(
         vocab_size=w.vocab, hidden_size=w.hidden, intermediate_size=w.intermediate, num_hidden_layers=w.layers,
-        num_attention_heads=w.heads, num_key_value_heads=w.kv_heads, max_position_embeddings=w.prompt + w.new_tokens + 32,
+        num_attention_heads=w.heads, num_key_value_heads=w.kv_heads, max_position_embeddings=positions,
         bos_token_id=None, eos_token_id=None, pad_token_id=0,
     )  # fmt: skip
     torch.manual_seed(0)
@@ -224,37 +232,49 @@ def _env(name: str, value: str) -> Iterator[None]:
             os.environ[name] = before
 
 
-def write_folder(model: torch.nn.Module, w: Workload, folder: Path) -> None:
+def write_folder(model: torch.nn.Module, vocab: int, folder: Path) -> None:
     """``model`` as a Hugging Face folder, with a word-level tokenizer of its whole vocabulary
     (token ``i`` is the word ``t<i>``) so that every generated id has text."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     model.save_pretrained(folder)  # type: ignore[operator]
-    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(w.vocab)}, unk_token="t0"))
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     transformers.PreTrainedTokenizerFast(tokenizer_object=words).save_pretrained(folder)
 
 
 def run_server(model: torch.nn.Module, w: Workload) -> dict[str, list[Any]]:
     """Start the server on ``model`` (saved to a temporary folder), run the clients, stop it."""
-    from tessera.serve.app import Limits, create_app
+    from tessera.serve.app import Limits
+    from tessera.serve.ranks import EngineOptions
+
+    blocks = w.clients * -(-(w.prompt + w.new_tokens) // 16) + 16
+    options = EngineOptions(num_blocks=blocks, block_size=16, max_batch=max(w.clients, 1))
+    with served(model, w.vocab, options, Limits(max_concurrent_requests=max(64, w.clients)), w.threads) as url:
+        return asyncio.run(rounds_against(url, w))
+
+
+@contextmanager
+def served(model: torch.nn.Module, vocab: int, options: Any, limits: Any, threads: int) -> Iterator[str]:
+    """The real server on ``model`` (saved to a temporary folder with a word-level tokenizer of
+    ``vocab`` words): a :class:`~tessera.serve.ranks.RankBackend` of one rank on ``threads``
+    intra-op threads with engine ``options`` (``EngineOptions``), the app under ``limits``
+    (``Limits``), served by uvicorn in a thread. Yields its base URL; stops it all on exit."""
+    from tessera.serve.app import create_app
     from tessera.serve.http import serving
-    from tessera.serve.ranks import EngineOptions, RankBackend
+    from tessera.serve.ranks import RankBackend
     from tessera.serve.sources import resolve_source
 
     with tempfile.TemporaryDirectory(prefix="tessera-bench-serve-") as root:
         folder = Path(root) / "model"
-        write_folder(model, w, folder)
-        blocks = w.clients * -(-(w.prompt + w.new_tokens) // 16) + 16
-        options = EngineOptions(num_blocks=blocks, block_size=16, max_batch=max(w.clients, 1))
+        write_folder(model, vocab, folder)
         backend = RankBackend(resolve_source(str(folder)), options, log_dir=Path(root) / "logs")
-        with _env("OMP_NUM_THREADS", str(w.threads)):  # the rank's intra-op threads
+        with _env("OMP_NUM_THREADS", str(threads)):  # the rank's intra-op threads
             backend.start()
         try:
-            app = create_app(backend, served_name="bench", limits=Limits(max_concurrent_requests=max(64, w.clients)))
-            with serving(app) as url:
-                return asyncio.run(rounds_against(url, w))
+            with serving(create_app(backend, served_name="bench", limits=limits)) as url:
+                yield url
         finally:
             backend.close_now()
 
@@ -300,7 +320,8 @@ def run(w: Workload | None = None, *, serve: bool = True) -> list[Row]:
     return rows
 
 
-def main(args: argparse.Namespace) -> int:
+def require_extras() -> None:
+    """Raises NotAvailableError naming the extra to install when one of the bench's modules is missing."""
     from tessera.errors import NotAvailableError
 
     for module, extra in (("transformers", "hf"), ("fastapi", "serve"), ("uvicorn", "serve"), ("httpx", "test")):
@@ -308,6 +329,10 @@ def main(args: argparse.Namespace) -> int:
             __import__(module)
         except ImportError as error:
             raise NotAvailableError(f"tessera bench serve needs {module}: pip install 'tessera[{extra}]'") from error
+
+
+def main(args: argparse.Namespace) -> int:
+    require_extras()
     w = Workload()
     rows = run(w)
     print_rows(rows)

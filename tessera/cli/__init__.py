@@ -154,7 +154,10 @@ BENCH_HELP: dict[str, str] = {
     "the bench extra",
     "serve": "generation: greedy tokens/s of tessera's engine vs HF generate on the same LLaMA at batch 1 and 16, "
     "and time to first token of the OpenAI server under 8 concurrent streaming clients, 1 process and 1 rank "
-    "(about 20 s); needs the hf and serve extras and httpx",
+    "(about 20 s); --workload: the server under Poisson arrivals of long-tailed prompts and outputs, half with a "
+    "shared system prompt, vs HF generate in static batches and transformers' continuous batching at 2, 8 and 24 "
+    "requests/s: tokens/s, time to first token and per output token (about 3 min; --rates, --requests, "
+    "--set KEY=VALUE); needs the hf and serve extras and httpx",
     "plan": "the planner's predicted peak memory and step time against measurement for 24 layouts of GPT small, "
     "2, 4 and 8 ranks (about 10 min; --calibrate ranks the step times, about 2 min more); --scenarios: how long "
     "planning the At-scale scenarios takes, against the 10 s bar and one estimate (about 2 min)",
@@ -203,8 +206,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             f"--only applies to `tessera bench plan`, `tessera bench lora` and `tessera bench compile` only, "
             f"not {args.target!r}"
         )
+    workload_flags = [
+        f"--{flag}" for flag in ("rates", "requests", "set") if getattr(args, flag, None) not in (None, [])
+    ]
+    if (getattr(args, "workload", False) or workload_flags) and args.target != "serve":
+        raise ConfigError(f"--workload and its flags apply to `tessera bench serve` only, not {args.target!r}")
+    if workload_flags and not getattr(args, "workload", False):
+        raise ConfigError(f"{', '.join(workload_flags)} set the workload of `tessera bench serve --workload`")
     print(f"tessera bench {args.target}: {BENCH_HELP[args.target]}", file=sys.stderr, flush=True)
-    module, func = BENCH_TARGETS[args.target].split(":")
+    target = "tessera.bench.serve_load:main" if getattr(args, "workload", False) else BENCH_TARGETS[args.target]
+    module, func = target.split(":")
     return int(getattr(importlib.import_module(module), func)(args) or 0)
 
 
@@ -331,6 +342,22 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="plan: time the planner on the At-scale scenarios (70B on 1,024 GPUs and the 64-GPU paper settings) "
         "instead of measuring layouts",
+    )
+    bench.add_argument(
+        "--workload",
+        action="store_true",
+        help="serve: the server under a realistic load (Poisson arrivals, long-tailed lengths, a shared prefix) "
+        "against HF generate in static batches and transformers' continuous batching",
+    )
+    bench.add_argument("--rates", default=None, help="serve --workload: arrival rates, requests/s, e.g. 1,6")
+    bench.add_argument("--requests", type=int, default=None, help="serve --workload: requests per rate")
+    bench.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="serve --workload: a workload field (sizes, lengths, prefix, max_batch; "
+        "tessera.bench.serve_load.LoadWorkload), e.g. --set hidden=128 --set prefix_fraction=0.25",
     )
     bench.set_defaults(func=_cmd_bench)
 
