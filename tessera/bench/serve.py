@@ -35,7 +35,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,15 +172,13 @@ class Answer:
     seconds: float
 
 
-async def ask(client: Any, prompt: list[int], w: Workload) -> Answer:
-    """One streamed completion of token ids ``prompt``, timed from sending it."""
+async def completion_events(client: Any, prompt: list[int], max_tokens: int) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of one streamed greedy ``/v1/completions`` of token ids ``prompt`` (with
+    the usage chunk last); RuntimeError when the server refuses it or fails it mid-stream."""
     body = {
-        "prompt": prompt, "max_tokens": w.new_tokens, "temperature": 0.0, "stream": True,
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
         "stream_options": {"include_usage": True},
     }  # fmt: skip
-    start = time.perf_counter()
-    first: float | None = None
-    tokens = 0
     async with client.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"the server answered {response.status_code}: {(await response.aread()).decode()}")
@@ -190,10 +188,19 @@ async def ask(client: Any, prompt: list[int], w: Workload) -> Answer:
             data = json.loads(line.removeprefix("data: "))
             if data.get("error"):
                 raise RuntimeError(f"the server failed a request: {data['error']}")
-            if first is None and data["choices"] and data["choices"][0]["text"]:
-                first = time.perf_counter() - start
-            if data.get("usage"):
-                tokens = int(data["usage"]["completion_tokens"])
+            yield data
+
+
+async def ask(client: Any, prompt: list[int], w: Workload) -> Answer:
+    """One streamed completion of token ids ``prompt``, timed from sending it."""
+    start = time.perf_counter()
+    first: float | None = None
+    tokens = 0
+    async for data in completion_events(client, prompt, w.new_tokens):
+        if first is None and data["choices"] and data["choices"][0]["text"]:
+            first = time.perf_counter() - start
+        if data.get("usage"):
+            tokens = int(data["usage"]["completion_tokens"])
     if first is None or tokens != w.new_tokens:
         raise RuntimeError(f"a request streamed {tokens} tokens, {w.new_tokens} were asked for")
     return Answer(first, tokens, time.perf_counter() - start)

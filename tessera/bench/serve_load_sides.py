@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import itertools
-import json
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -76,27 +75,17 @@ class ServerClient:
     client: Any  # httpx.AsyncClient
 
     async def stream(self, prompt: list[int], max_tokens: int) -> AsyncIterator[list[int]]:
-        body = {
-            "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True},
-        }  # fmt: skip
+        from tessera.bench.serve import completion_events
+
         sent = 0
         counted = None
-        async with self.client.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                raise RuntimeError(f"the server answered {response.status_code}: {(await response.aread()).decode()}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                data = json.loads(line.removeprefix("data: "))
-                if data.get("error"):
-                    raise RuntimeError(f"the server failed a request: {data['error']}")
-                if data["choices"] and data["choices"][0]["text"]:
-                    ids = ids_of(data["choices"][0]["text"])
-                    sent += len(ids)
-                    yield ids
-                if data.get("usage"):
-                    counted = int(data["usage"]["completion_tokens"])
+        async for data in completion_events(self.client, prompt, max_tokens):
+            if data["choices"] and data["choices"][0]["text"]:
+                ids = ids_of(data["choices"][0]["text"])
+                sent += len(ids)
+                yield ids
+            if data.get("usage"):
+                counted = int(data["usage"]["completion_tokens"])
         if counted != sent:
             raise RuntimeError(f"the server streamed the text of {sent} tokens and counted {counted}")
 
