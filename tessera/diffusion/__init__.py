@@ -21,6 +21,7 @@ from tessera.diffusion.models import (
 )
 from tessera.diffusion.objective import NoisePrediction
 from tessera.diffusion.sampling import sample, save_grid
+from tessera.diffusion.training import local_batch, trained_parts
 
 __all__ = [
     "DiffusionParts",
@@ -32,9 +33,11 @@ __all__ = [
     "collate",
     "fit_vae",
     "load_folder",
+    "local_batch",
     "render",
     "require_diffusers",
     "sample",
     "save_folder",
     "save_grid",
+    "trained_parts",
 ]

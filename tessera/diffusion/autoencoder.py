@@ -5,21 +5,31 @@ the latents the UNet sees have unit variance; the UNet's training then keeps it 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from tessera.diffusion.data import captions, render
 from tessera.diffusion.models import DiffusionParts
 
 
-def fit_vae(parts: DiffusionParts, *, steps: int = 120, lr: float = 3e-3, seed: int = 0) -> float:
+def fit_vae(
+    parts: DiffusionParts,
+    *,
+    steps: int = 120,
+    lr: float = 3e-3,
+    choices: Sequence[tuple[str, str, str]] | None = None,
+    seed: int = 0,
+) -> float:
     """Train ``parts.vae`` for ``steps`` Adam steps to reconstruct (mean squared error, through
-    the latent distribution's mean) the image of every caption; set its ``scaling_factor`` to
-    one over the latents' standard deviation. Returns the last reconstruction error."""
+    the latent distribution's mean) the image of every caption (of ``choices``, default all);
+    set its ``scaling_factor`` to one over the latents' standard deviation. Returns the last
+    reconstruction error."""
     if steps < 0:
         raise ValueError(f"VAE fitting steps={steps} must be at least 0")
     vae = parts.vae
     size = vae.config.sample_size
-    images = torch.stack([render(*c, size=size) for c in captions()])
+    images = torch.stack([render(*c, size=size) for c in (choices or captions())])
     vae.requires_grad_(True)
     optimizer = torch.optim.Adam(vae.parameters(), lr=lr)
     error = float("nan")

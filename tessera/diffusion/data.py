@@ -74,7 +74,9 @@ def render(colour: str, shape: str, position: str, size: int = 16) -> torch.Tens
 class ShapesDataset(torch.utils.data.Dataset):
     """``length`` captioned images; item ``i`` is a dict of ``pixel_values`` (3, S, S),
     ``input_ids`` (L,), ``noise`` (the latent shape) and ``timesteps`` (an int64 scalar), all
-    a function of ``(seed, i)`` alone."""
+    a function of ``(seed, i)`` alone. A share ``uncaptioned`` of the samples get the empty
+    caption (what classifier-free guidance samples against). ``choices``: the (colour, shape,
+    position) triples drawn from (default: all of :func:`captions`)."""
 
     def __init__(
         self,
@@ -84,13 +86,23 @@ class ShapesDataset(torch.utils.data.Dataset):
         *,
         image_size: int = 16,
         train_timesteps: int = 1000,
+        uncaptioned: float = 0.0,
+        choices: Sequence[tuple[str, str, str]] | None = None,
         seed: int = 0,
     ) -> None:
         if length < 1:
             raise ValueError(f"a dataset of {length} samples: length must be at least 1")
+        if not 0.0 <= uncaptioned < 1.0:
+            raise ValueError(f"uncaptioned={uncaptioned} must be in [0, 1)")
+        self.uncaptioned = uncaptioned
         self.length, self.tokenize, self.latent_shape = length, tokenize, tuple(latent_shape)
         self.image_size, self.train_timesteps, self.seed = image_size, train_timesteps, seed
-        self.choices = captions()
+        self.choices = list(choices) if choices is not None else captions()
+        unknown = [c for c in self.choices if c not in captions()]
+        if unknown or not self.choices:
+            raise ValueError(
+                f"choices {unknown or '[]'} are not (colour, shape, position) captions of {captions()[:2]}..."
+            )
 
     def __len__(self) -> int:
         return self.length
@@ -108,9 +120,10 @@ class ShapesDataset(torch.utils.data.Dataset):
             raise IndexError(f"sample {index} of a dataset of {self.length}")
         colour, shape, position = self.caption_of(index)
         g = torch.Generator().manual_seed(int(self._generator(index, 1).integers(2**62)))
+        dropped = self._generator(index, 2).random() < self.uncaptioned
         return {
             "pixel_values": render(colour, shape, position, self.image_size),
-            "input_ids": self.tokenize([caption_text(colour, shape, position)])[0],
+            "input_ids": self.tokenize(["" if dropped else caption_text(colour, shape, position)])[0],
             "noise": torch.randn(self.latent_shape, generator=g),
             "timesteps": torch.randint(0, self.train_timesteps, (), generator=g),
         }

@@ -11,13 +11,14 @@ from tessera.diffusion.models import DiffusionParts
 
 
 class NoisePrediction(nn.Module):
-    """``forward(pixel_values, input_ids, noise, timesteps) -> {"loss": ...}``.
+    """``forward(pixel_values, input_ids, noise, timesteps) -> {"loss", "prediction"}``.
 
     ``pixel_values`` (B, 3, S, S) in [-1, 1] are encoded by the VAE (the mean of its latent
     distribution, times its scaling factor; no sampling, so nothing random but ``noise``),
     noised to ``timesteps`` (B,) with ``noise`` (B, C, S/f, S/f) by the scheduler, and the UNet,
     conditioned on the text encoder's last hidden states of ``input_ids`` (B, L), predicts the
-    noise; the loss is the mean squared error over every element. The text encoder and the VAE
+    noise (``prediction``, the latents' shape); the loss is the mean squared error over every
+    element. The text encoder and the VAE
     are frozen (``requires_grad`` False) and run without autograd."""
 
     def __init__(self, parts: DiffusionParts) -> None:
@@ -54,7 +55,7 @@ class NoisePrediction(nn.Module):
         latents, text = self.encode(pixel_values, input_ids)
         noisy = self.scheduler.add_noise(latents, noise.to(latents.dtype), timesteps)
         prediction = self.predict(noisy, timesteps, text)
-        return {"loss": F.mse_loss(prediction.float(), noise.float())}
+        return {"loss": F.mse_loss(prediction.float(), noise.float()), "prediction": prediction}
 
 
 __all__ = ["NoisePrediction"]

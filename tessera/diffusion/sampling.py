@@ -12,9 +12,12 @@ from tessera.diffusion.models import DiffusionParts, require_diffusers
 
 
 @torch.no_grad()
-def sample(parts: DiffusionParts, texts: Sequence[str], *, steps: int = 25, seed: int = 0) -> torch.Tensor:
+def sample(
+    parts: DiffusionParts, texts: Sequence[str], *, steps: int = 25, guidance: float = 1.0, seed: int = 0
+) -> torch.Tensor:
     """One image per caption in ``texts``: ``(len(texts), 3, S, S)`` in [0, 1]. DDIM over
-    ``steps`` of the training scheduler's schedule, from noise drawn from ``seed``."""
+    ``steps`` of the training scheduler's schedule, from noise drawn from ``seed``; with
+    ``guidance`` > 1, classifier-free guidance against the empty caption."""
     if steps < 1:
         raise ValueError(f"sampling steps={steps} must be at least 1")
     diffusers = require_diffusers()
@@ -22,10 +25,14 @@ def sample(parts: DiffusionParts, texts: Sequence[str], *, steps: int = 25, seed
     scheduler.set_timesteps(steps)
     param = next(parts.unet.parameters())
     text = parts.text_encoder(parts.tokenize(list(texts)).to(param.device)).last_hidden_state.to(param.dtype)
+    empty = parts.text_encoder(parts.tokenize([""] * len(texts)).to(param.device)).last_hidden_state.to(param.dtype)
     g = torch.Generator().manual_seed(seed)
     latents = torch.randn((len(texts), *parts.latent_shape), generator=g).to(param.device, param.dtype)
     for t in scheduler.timesteps:
         noise = parts.unet(latents, t, encoder_hidden_states=text).sample
+        if guidance != 1.0:
+            unconditional = parts.unet(latents, t, encoder_hidden_states=empty).sample
+            noise = unconditional + guidance * (noise - unconditional)
         latents = scheduler.step(noise, t, latents).prev_sample
     vae_dtype = next(parts.vae.parameters()).dtype
     images = parts.vae.decode(latents.to(vae_dtype) / parts.vae.config.scaling_factor).sample

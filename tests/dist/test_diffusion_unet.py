@@ -162,3 +162,45 @@ def test_a_sharded_checkpoint_resumes_in_another_layout(pools, expected, tmp_pat
     for losses, state, held in pools.run(2, resume, LAYOUTS["gemini-dp2"], folder, timeout=300):
         assert_trains_as((expected[0][STEPS // 2 :], expected[1]), losses, state)
         assert held == []
+
+
+# ---- the diffusers folder -------------------------------------------------------------------------
+
+
+def train_and_save(config: dict, folder: str):
+    """3 steps under ``config``, then the engine's noise predictions for a held-out batch and the
+    diffusers folder written from its weights (rank 0)."""
+    from tessera.diffusion import save_folder, trained_parts
+
+    _, parts, engine = engine_for(config, True)
+    train(config, True, range(3), engine=engine)
+    held_out = collate([ShapesDataset(BATCH, parts.tokenize, parts.latent_shape, seed=99)[i] for i in range(BATCH)])
+    engine.eval()
+    with torch.no_grad():
+        predictions = engine(**held_out)["prediction"]
+    plain = trained_parts(engine, parts)
+    if tessera.current_context().rank == 0:
+        save_folder(plain, folder)
+    return predictions, held_out
+
+
+@pytest.mark.parametrize("layout", ["zero3-dp2", "gemini-dp2"])
+def test_the_diffusers_folder_reproduces_the_parallel_model(pools, tmp_path, layout):
+    import diffusers
+    from transformers import CLIPTextModel, PreTrainedTokenizerFast
+
+    folder = tmp_path / "sd"
+    predictions, batch = pools.run(2, train_and_save, LAYOUTS[layout], str(folder), timeout=300)[0]
+    unet = diffusers.UNet2DConditionModel.from_pretrained(folder / "unet")
+    vae = diffusers.AutoencoderKL.from_pretrained(folder / "vae")
+    text_encoder = CLIPTextModel.from_pretrained(folder / "text_encoder")
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder / "tokenizer")
+    scheduler = diffusers.DDPMScheduler.from_pretrained(folder / "scheduler")
+    ids = tokenizer(["a red square on the left"], padding="max_length", max_length=8, return_tensors="pt").input_ids
+    assert torch.equal(ids, batch["input_ids"][:0].new_tensor(build_parts().tokenize(["a red square on the left"])))
+    with torch.no_grad():
+        latents = vae.encode(batch["pixel_values"]).latent_dist.mode() * vae.config.scaling_factor
+        noisy = scheduler.add_noise(latents, batch["noise"], batch["timesteps"])
+        text = text_encoder(batch["input_ids"]).last_hidden_state
+        expected = unet(noisy, batch["timesteps"], encoder_hidden_states=text).sample
+    torch.testing.assert_close(predictions, expected, **TOL)
