@@ -111,7 +111,7 @@ def build_parts(*, width: int = 16, image_size: int = 16, text_width: int = 32, 
     unet = diffusers.UNet2DConditionModel(
         sample_size=image_size // 2, in_channels=4, out_channels=4, layers_per_block=1,
         block_out_channels=(width, 2 * width), norm_num_groups=8, cross_attention_dim=text_width,
-        attention_head_dim=4, addition_embed_type="text", addition_embed_type_num_heads=4,
+        attention_head_dim=4,
         down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
         up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
     )  # fmt: skip

@@ -24,14 +24,21 @@ class NoisePrediction(nn.Module):
     def __init__(self, parts: DiffusionParts) -> None:
         super().__init__()
         self.unet = parts.unet
-        self.text_encoder = parts.text_encoder.requires_grad_(False)
-        self.vae = parts.vae.requires_grad_(False)
+        self.text_encoder = parts.text_encoder.requires_grad_(False).eval()
+        self.vae = parts.vae.requires_grad_(False).eval()
         self.scheduler = parts.scheduler
         if parts.scheduler.config.prediction_type != "epsilon":
             raise ValueError(
                 f"NoisePrediction trains the epsilon objective; the scheduler predicts "
                 f"{parts.scheduler.config.prediction_type!r}"
             )
+
+    def train(self, mode: bool = True) -> NoisePrediction:
+        """Train mode for the UNet; the frozen encoders stay in eval mode."""
+        super().train(mode)
+        self.text_encoder.eval()
+        self.vae.eval()
+        return self
 
     def encode(self, pixel_values: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The scaled latents of the images and the hidden states of the captions."""
