@@ -34,6 +34,7 @@ RANKS: dict[str, float] = {
     "planner": 5.05,  # the auto-parallel planner: cost models over model shapes, layout search
     "inference": 5.1,  # generation with a paged KV cache over models and hf
     "rlhf": 5.2,  # SFT, reward models, DPO, PPO and GRPO over the engine, models and inference
+    "diffusion": 5.2,  # Stable Diffusion training on diffusers components: diffusers models built from configs, over nn's recompute
     "config": 6.0,  # builds the options of the layers below from a config
     "session": 6.1,  # the current run: context, config, tessera.initialize
     "job_env": 6.15,  # the world a launcher (torchrun, mpirun, srun) describes in the environment
