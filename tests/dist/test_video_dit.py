@@ -25,6 +25,7 @@ SAMPLE_STEPS = 4
 
 # name: (ranks, layout, zero stage)
 LAYOUTS = {
+    "sp2-dp2": (4, dict(sequence=2, data=2), 0),
     "sp2-dp2-zero2": (4, dict(sequence=2, data=2), 2),
     "sp4-zero2": (4, dict(sequence=4), 2),
 }

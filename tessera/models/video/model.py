@@ -185,15 +185,16 @@ class VideoDiT(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """DiT's initialisation: Xavier-uniform linear weights, zero biases, N(0, 0.02) embeddings
-        and time MLP, and zeros for every adaLN modulation and the output projection (adaLN-zero).
-        Drawn in parameter order from the global seed: the same in every layout."""
+        """DiT's initialisation: Xavier-uniform linear weights (the patch embedding's too), zero
+        biases, N(0, 0.02) word embeddings and time MLP, and zeros for every adaLN modulation and
+        the output projection (adaLN-zero). Drawn in parameter order from the global seed: the
+        same in every layout."""
         with torch.no_grad():
             for name, p in self.named_parameters():
                 owner = name.rsplit(".", 1)[0]
                 if name.endswith("bias") or "modulation" in owner or owner == "proj_out":
                     p.zero_()
-                elif "embed" in owner or owner == "word_pos" or owner.startswith("time_embed"):
+                elif owner in ("word_embed", "word_pos") or owner.startswith("time_embed"):
                     p.normal_(0.0, 0.02)
                 elif p.dim() == 2:
                     nn.init.xavier_uniform_(p)
