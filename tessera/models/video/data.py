@@ -51,26 +51,25 @@ def caption_ids(caption: str) -> torch.Tensor:
     return torch.tensor(ids + [0] * (CAPTION_LEN - len(ids)), dtype=torch.long)
 
 
-def render(spec: ClipSpec, frames: int, size: int, start: tuple[float, float] | None = None) -> torch.Tensor:
-    """The clip ``[3, frames, size, size]`` in [-1, 1]: the shape (a third of the frame wide)
-    crossing the frame in its direction, from ``start`` (row, column of its centre; by default
-    the middle of the edge it enters from) at ``size / frames`` pixels a frame."""
-    radius = size / 6
+def render(spec: ClipSpec, frames: int, size: int, offset: int = 0) -> torch.Tensor:
+    """The clip ``[3, frames, size, size]`` in [-1, 1]: the shape, ``3 * size // 8`` pixels wide
+    (a filled square, or a disc: at 3 pixels a plus), crossing the frame in its direction from
+    edge to edge in whole pixels, centred across it, ``offset`` pixels off the centre line."""
+    side = max(2, 3 * size // 8)
     dr, dc = DIRECTIONS[spec.direction]
-    if start is None:
-        start = (size / 2 - dr * (size / 2 - radius), size / 2 - dc * (size / 2 - radius))
-    speed = (size - 2 * radius) / max(frames - 1, 1)
-    rows = torch.arange(size, dtype=torch.float32)[:, None] + 0.5
-    cols = torch.arange(size, dtype=torch.float32)[None, :] + 0.5
+    travel = torch.linspace(0, size - side, frames).round().long().tolist()
+    across = min(max((size - side) // 2 + offset, 0), size - side)
+    yy, xx = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    centre = (side - 1) / 2
+    disc = (yy - centre) ** 2 + (xx - centre) ** 2 <= (side / 2 - 0.25) ** 2
+    stamp = torch.ones(side, side, dtype=torch.bool) if spec.shape == "square" else disc
     clip = torch.full((3, frames, size, size), BACKGROUND)
     colour = torch.tensor(COLOURS[spec.colour])[:, None, None]
-    for f in range(frames):
-        r, c = start[0] + dr * speed * f, start[1] + dc * speed * f
-        if spec.shape == "square":
-            inside = ((rows - r).abs() <= radius) & ((cols - c).abs() <= radius)
-        else:
-            inside = (rows - r) ** 2 + (cols - c) ** 2 <= (radius * 1.15) ** 2
-        clip[:, f] = torch.where(inside, colour, clip[:, f])
+    for f, step in enumerate(travel):
+        along = step if (dr + dc) > 0 else size - side - step
+        top, left = (along, across) if dr else (across, along)
+        patch = clip[:, f, top : top + side, left : left + side]
+        clip[:, f, top : top + side, left : left + side] = torch.where(stamp, colour, patch)
     return clip
 
 
@@ -78,7 +77,7 @@ class MovingShapes(Dataset):
     """``length`` rectified-flow training items over clips of ``frames`` frames of ``size`` x
     ``size`` pixels: item i is a dict of ``latents`` ``x_t = (1 - t) x0 + t noise`` [3, T, H, W],
     ``timesteps`` t [] in (0, 1), ``captions`` [CAPTION_LEN] word ids and the target ``velocity``
-    ``noise - x0``; the clip kind cycles with i, its start jitters by a pixel, and the noise and t
+    ``noise - x0``; the clip kind cycles with i, its path shifts across by up to a pixel, and the noise and t
     come from a generator seeded by ``(seed, i)``."""
 
     def __init__(self, length: int, frames: int = 8, size: int = 8, seed: int = 0) -> None:
@@ -93,9 +92,8 @@ class MovingShapes(Dataset):
     def clip(self, index: int) -> tuple[torch.Tensor, ClipSpec]:
         spec = self.specs[index % len(self.specs)]
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        jitter = torch.randint(-1, 2, (2,), generator=g).tolist()
-        clip = render(spec, self.frames, self.size)
-        return torch.roll(clip, shifts=(jitter[0], jitter[1]), dims=(2, 3)), spec
+        offset = int(torch.randint(-1, 2, (), generator=g))
+        return render(spec, self.frames, self.size, offset), spec
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if not 0 <= index < self.length:
