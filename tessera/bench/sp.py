@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -102,10 +103,22 @@ def _step_growth(system: str, mode: str, ranks: int, length: int, search: Search
 
 
 def longest_body(system: str, mode: str, ranks: int, search: Search = SEARCH) -> dict[int, int | None]:
-    """Growth per length tried on this rank: lengths double from ``search.grain`` until one
-    exceeds the budget (or ``search.max_length`` fits), then ``search.bisections`` halvings of
-    the interval between the last that fit and the first that did not. Each length is
-    decided on the largest growth over the ranks, so that every rank tries the same ones."""
+    """Growth per length tried on this rank (:func:`search_longest` over :func:`_step_growth`)."""
+    return search_longest(
+        lambda length: _step_growth(system, mode, ranks, length, search),
+        search.budget, search.grain, search.max_length, search.bisections, ranks,
+    )  # fmt: skip
+
+
+def search_longest(
+    growth: Callable[[int], int | None], budget: int, grain: int, max_length: int, bisections: int, ranks: int
+) -> dict[int, int | None]:
+    """Growth per length tried on this rank (``growth(length)``: its peak RSS above its resident
+    size over one step, None where /proc cannot tell): lengths double from ``grain`` until one
+    exceeds ``budget`` (or ``max_length`` fits), then ``bisections`` halvings of the interval
+    between the last that fit and the first that did not, in multiples of ``grain``. Each
+    length is decided on the largest growth over the ``ranks`` ranks of the world, so that
+    every rank tries the same ones."""
     from tessera import comm
     from tessera.memory.report import map_large_allocations
 
@@ -113,21 +126,20 @@ def longest_body(system: str, mode: str, ranks: int, search: Search = SEARCH) ->
     seen: dict[int, int | None] = {}
 
     def fits(length: int) -> bool:
-        grown = _step_growth(system, mode, ranks, length, search)
-        worst = torch.tensor([float(grown if grown is not None else 2 * search.budget)])
+        grown = growth(length)
+        worst = torch.tensor([float(grown if grown is not None else 2 * budget)])
         if ranks > 1:
             comm.all_reduce(worst, "world", op="max")
         seen[length] = int(worst.item()) if grown is not None else None
-        return bool(worst.item() <= search.budget)
+        return bool(worst.item() <= budget)
 
-    grain = search.grain
     low, high = 0, grain
-    while high <= search.max_length and fits(high):
+    while high <= max_length and fits(high):
         low, high = high, 2 * high
-    high = min(high, search.max_length + grain)
-    for _ in range(search.bisections):
+    high = min(high, max_length + grain)
+    for _ in range(bisections):
         middle = (low + high) // 2 // grain * grain
-        if middle in (low, high) or middle > search.max_length:
+        if middle in (low, high) or middle > max_length:
             break
         low, high = (middle, high) if fits(middle) else (low, middle)
     return seen
@@ -263,4 +275,4 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["SEARCH", "Search", "longest_rows", "main", "speed_rows"]
+__all__ = ["SEARCH", "Search", "longest_rows", "main", "search_longest", "speed_rows"]

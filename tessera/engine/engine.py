@@ -126,6 +126,9 @@ class Engine:
         self._moe = [layer for _, layer in moe_layers(strategy.module)]
         self._sequence = ctx.group("sequence") if ctx.size("sequence") > 1 else None
         self._length: int | None = None  # the whole sequence length of the last batch split
+        #: a model that splits its batches itself (``sequence_tokens(batch, group, mode)``: a video
+        #: model cuts the frames, dim 2) instead of dim 1 of each tensor of the sequence's length
+        self._own_split: Callable[[Any, Any, str], Any] | None = getattr(strategy.module, "sequence_tokens", None)
         #: ``fn(batch) -> int64 tensor``: the items the loss of a dict batch averages over (what
         #: its micro-batch weighs): by default :func:`~tessera.engine.batches.loss_items`, counting
         #: labels after the causal shift when the model's own loss shifts them. Assign another
@@ -160,9 +163,11 @@ class Engine:
     def local_tokens(self, batch: Any, length: int | None = None) -> Any:
         """This rank's tokens of every sequence in ``batch`` under sequence parallelism (the
         tensors whose dim 1 is the sequence, of ``length`` or of the batch's first tensor's
-        length); ``batch`` itself otherwise."""
+        length; or as the model's own ``sequence_tokens`` cuts them); ``batch`` itself otherwise."""
         if self._sequence is None:
             return batch
+        if self._own_split is not None:
+            return self._own_split(batch, self._sequence, self.ctx.dims.sequence_mode)
         length = length or sequence_length_of(batch)
         if length is None:
             return batch
