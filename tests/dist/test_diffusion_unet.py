@@ -23,6 +23,15 @@ LR = 1e-3
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 FROZEN = ("text_encoder.", "vae.")
 
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_ranks_afterwards(pools):
+    """The models' imports and their freed arenas stay resident in a pool's ranks: the tests after
+    these get fresh ranks, as tests that measure memory expect (tests/dist/test_hf_weights.py)."""
+    yield
+    for world_size in (2,):
+        pools.get(world_size).close()
+
+
 
 def dataset(parts) -> ShapesDataset:
     return ShapesDataset(STEPS * BATCH, parts.tokenize, parts.latent_shape, seed=7)
