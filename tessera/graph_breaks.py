@@ -4,6 +4,7 @@
 start-up, compiled or not. :func:`eager_in_compiled_code` marks a function at import time for
 nothing: it calls the plain function until :func:`install` (run by tessera's compiling before
 anything is compiled) swaps in its disabled form, which dynamo does not trace (docs/compile.md).
+tessera's dispatch modes are marked the same way (:class:`tessera._lazy_dynamo.EagerDispatchMode`).
 """
 
 from __future__ import annotations

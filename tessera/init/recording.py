@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from tessera._lazy_dynamo import EagerDispatchMode
 from tessera.errors import TesseraError
 
 __all__ = ["DeferredInitError", "Op", "Recording", "Ref", "continue_recording", "deferred_init", "recording_of"]
@@ -253,10 +253,19 @@ _SEEDING = (
 )
 
 
+def _draws_in_place(func: Any) -> bool:
+    """``func`` fills its first argument in place with random draws (``normal_``, ``uniform_``...)."""
+    schema = func._schema
+    if torch.Tag.nondeterministic_seeded not in func.tags or not schema.arguments or len(schema.returns) != 1:
+        return False
+    first, out = schema.arguments[0].alias_info, schema.returns[0].alias_info
+    return first is not None and first.is_write and out is not None and out.before_set == first.before_set
+
+
 _FAKE_SCALARS = {"_local_scalar_dense", "equal", "is_nonzero"}
 
 
-class _Recorder(TorchDispatchMode):
+class _Recorder(EagerDispatchMode):
     def __init__(self, rec: Recording) -> None:
         super().__init__()
         self.rec = rec
@@ -272,6 +281,10 @@ class _Recorder(TorchDispatchMode):
         elif func.__name__.split(".")[0] in _FAKE_SCALARS:
             self.rec.problems.append(f"{_user_frame()} reads a tensor's value ({func.__name__})")
             return False if func.__name__.startswith(("equal", "is_nonzero")) else 0
+        elif _draws_in_place(func) and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            # a meta tensor filled at random is still the same meta tensor: recorded, not run
+            # (torch's meta kernels of the random fills import torch._dynamo, a second a process)
+            out = args[0]
         else:
             out = func(*args, **kwargs)
         return self._record(func, args, kwargs, out)

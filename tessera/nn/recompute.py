@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from tessera._lazy_dynamo import EagerDispatchMode
 from tessera.context import ParallelContext
 from tessera.context.rng import RNGStreams
 from tessera.nn.layers import resolve_context
@@ -64,7 +64,7 @@ def kept_matmul_bytes() -> Iterator[list[int]]:
         _COUNTERS.remove(counter)
 
 
-class _KeepMatmuls(TorchDispatchMode):
+class _KeepMatmuls(EagerDispatchMode):
     """The original forward of a selectively checkpointed block: the outputs of its matrix
     multiplies are kept (and counted)."""
 
@@ -81,7 +81,7 @@ class _KeepMatmuls(TorchDispatchMode):
         return out
 
 
-class _ReuseMatmuls(TorchDispatchMode):
+class _ReuseMatmuls(EagerDispatchMode):
     """A recompute of a selectively checkpointed block: its matrix multiplies give the kept
     outputs, in order, instead of running; everything else runs again. Every recompute starts
     from the first (a split backward, zero-bubble's, recomputes a block twice)."""
