@@ -27,13 +27,20 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(BIN)/tessera train
 
+LINT = $(BIN)/ruff check tessera tests examples && $(BIN)/ruff format --check tessera tests examples && $(BIN)/mypy
 lint: $(STAMP)
-	$(BIN)/ruff check tessera tests examples
-	$(BIN)/ruff format --check tessera tests examples
-	$(BIN)/mypy
+	$(LINT)
 
-test: system-packages lint
-	$(BIN)/python -m pytest -q
+# The system packages and the virtual environment install side by side; then the lint (mypy takes
+# a core for about a minute) runs beside pytest, whose single-process unit tests come first. The
+# lint's report is printed after pytest's; either failing fails the target.
+test:
+	@$(MAKE) --no-print-directory -j2 system-packages $(STAMP)
+	@($(LINT)) >$(VENV)/lint.log 2>&1 & lint=$$!; \
+	$(BIN)/python -m pytest -q tests/unit tests/dist tests/e2e; tested=$$?; \
+	wait $$lint; linted=$$?; cat $(VENV)/lint.log; \
+	if [ $$linted -ne 0 ]; then echo "make test: the lint failed (above)"; fi; \
+	exit $$(( tested || linted ))
 
 # The CUDA lane (tests/cuda, marker `cuda`), which `make test` does not collect. It runs on a GPU
 # machine's own python with a CUDA torch (GPU_PYTHON, default python3) over this source tree through

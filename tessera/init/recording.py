@@ -207,7 +207,12 @@ def _user_frame() -> str:
     """Where in the user's code the current operation comes from (file:line and the line)."""
     for frame in reversed(traceback.extract_stack()[:-3]):
         path = frame.filename.replace("\\", "/")
-        if "/torch/" in path or "/tessera/init/" in path or path.startswith("<"):
+        if (
+            "/torch/" in path
+            or "/tessera/init/" in path
+            or path.endswith("/tessera/graph_breaks.py")
+            or path.startswith("<")
+        ):
             continue
         return f"{frame.filename}:{frame.lineno} ({(frame.line or '').strip()})"
     return "an unknown place"

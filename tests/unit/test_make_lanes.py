@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,9 +22,6 @@ ROOT = Path(__file__).resolve().parents[2]
 NO_VENV = "/nowhere/venv"  # a .venv that is never there: a recipe that builds one names it
 BARE = "/bare/bin/python3"
 LANE = f"PYTHONPATH=. TESSERA_TEST_DEVICE=cpu {BARE} -m pytest -q -p no:cacheprovider --cuda-lane -m cuda"
-
-pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make here")
-
 
 def recipe(target: str, *assignments: str) -> list[str]:
     """The commands ``make <target>`` would run, prerequisites included, without running them."""
