@@ -127,6 +127,7 @@ BENCH_TARGETS: dict[str, str] = {  # name -> "module:function"; each strategy ad
     "lora": "tessera.bench.lora:main",
     "compile": "tessera.bench.compiled:main",
     "hosts": "tessera.bench.hosts:main",
+    "diffusion": "tessera.bench.diffusion:main",
 }
 
 # name -> what it measures, how long it takes on 2 CPU cores, what it needs
@@ -176,6 +177,10 @@ BENCH_HELP: dict[str, str] = {
     "hosts": "dp4 vs ZeRO-3 vs hybrid sharding (zero.shard='host') on 2 namespace hosts x 2 ranks with the link "
     "between hosts limited to 100mbit: step time, bytes across hosts, and the planner's predicted step time "
     "beside each (about 3 min; needs root for the network namespaces)",
+    "diffusion": "a diffusers UNet (under a frozen CLIP text encoder and VAE) under plain torch DDP, ZeRO-3 and "
+    "Gemini (model state beyond small budgets on disk), each with and without activation checkpointing, 4 ranks: "
+    "peak RSS and step time; the widest UNet plain DDP and the leanest side train under 384 MiB per rank; the "
+    "video diffusion transformer's longest clip at sp1, sp2 and sp4 (about 20 min); needs the diffusion extra",
     "rlhf-generate": "RLHF rollouts with the paged KV cache vs the full forward per token on the same training GPT "
     "(tiny, 16+128 tokens, batch 1 and 16), and inside whole PPO steps at batch 16: tokens/s, PPO steps/s, the same "
     "greedy tokens, 1 process (about 1 min)",
