@@ -14,6 +14,7 @@ RANKS: dict[str, float] = {
     "errors": 0,
     "files": 0,  # atomic writes with the umask's mode
     "graph_breaks": 0,  # functions eager inside compiled code, disabled lazily
+    "_lazy_dynamo": 0.5,  # dispatch modes marked with graph_breaks instead of torch's dynamo-importing wrapper
     "comm": 1,
     "context": 2,
     "memory": 3.0,
