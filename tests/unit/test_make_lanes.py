@@ -21,6 +21,7 @@ NO_VENV = "/nowhere/venv"  # a .venv that is never there: a recipe that builds o
 BARE = "/bare/bin/python3"
 LANE = f"PYTHONPATH=. TESSERA_TEST_DEVICE=cpu {BARE} -m pytest -q -p no:cacheprovider --cuda-lane -m cuda"
 
+
 def recipe(target: str, *assignments: str) -> list[str]:
     """The commands ``make <target>`` would run, prerequisites included, without running them."""
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
