@@ -76,7 +76,7 @@ class RoutingStats:
     unbounded), ``load_balance`` and ``z_loss`` (the unweighted auxiliary losses)."""
 
     tokens_per_expert: torch.Tensor
-    dropped: int
+    dropped: torch.Tensor  # a 0-dim count: a Python int would make compiled code recompile for each value
     capacity: int | None
     load_balance: torch.Tensor
     z_loss: torch.Tensor
@@ -236,7 +236,7 @@ class MoE(nn.Module):
         self.aux_grad_scale = 1.0
         self.stats: RoutingStats | None = None
         self._counts: torch.Tensor | None = None  # kept assignments per expert since take_routing_counts
-        self._dropped = 0
+        self._dropped: torch.Tensor | int = 0
 
     def capacity(self, tokens: int) -> int | None:
         """Slots per expert for ``tokens`` tokens (None: unbounded)."""
@@ -291,14 +291,15 @@ def dispatch(
     capacity: int | None,
     compute: Callable[[torch.Tensor], torch.Tensor],
     group: AxisGroup | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Send each token ``tokens`` [T, d] to its chosen ``experts`` [T, k] and sum their outputs
     weighted by ``weights`` [T, k]: the assignments are served first choices first, earlier tokens
     first, ``capacity`` per expert (None: all), packed into one ``[experts, slots, d]`` buffer that
     ``compute`` (the local experts: ``[local experts, slots', d] -> same``) runs on, here or, with
     ``group``, on the rank holding each expert (all-to-all there and back).
 
-    Returns ``(y [T, d], routed [experts] before capacity, kept [experts] after it, dropped)``.
+    Returns ``(y [T, d], routed [experts] before capacity, kept [experts] after it, dropped)``,
+    ``dropped`` a 0-dim tensor (an int would make compiled code recompile for each count).
     The one routing path behind :class:`MoE` and the Hugging Face MoE blocks tessera runs."""
     count, d, k = tokens.shape[0], tokens.shape[-1], experts.shape[-1]
     # assignments in serving order: every token's first choice, then every second choice
@@ -316,7 +317,7 @@ def dispatch(
     combined = out[slot] * weight[kept].unsqueeze(-1).to(out.dtype)
     y = tokens.new_zeros(count, d).index_add(0, token[kept], combined.to(tokens.dtype))
     per_expert = F.one_hot(chosen[kept], num_experts).sum(dim=0).detach()
-    return y, routed, per_expert, int((~kept).sum())
+    return y, routed, per_expert, (~kept).sum().detach()
 
 
 def _fullest(routed: torch.Tensor, group: AxisGroup | None) -> int:
@@ -371,7 +372,7 @@ def take_routing_counts(model: nn.Module | list[tuple[str, MoE]]) -> dict[str, t
     out: dict[str, tuple[torch.Tensor, int]] = {}
     for name, layer in moe_layers(model) if isinstance(model, nn.Module) else model:
         counts = layer._counts if layer._counts is not None else torch.zeros(layer.num_experts, dtype=torch.long)
-        out[name] = (counts, layer._dropped)
+        out[name] = (counts, int(layer._dropped))
         layer._counts, layer._dropped = None, 0
     return out
 
