@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,24 @@ def hosts():
     # a machine that cannot make namespace hosts fails here, saying why (HostsUnavailable): never skipped
     with nshosts.Hosts(2) as made:
         yield made
+
+
+@pytest.fixture(scope="module")
+def jobs(hosts, tmp_path_factory):
+    """The module's three jobs, started side by side on the two hosts (each on a port of its own;
+    much of each is waiting: rendezvous, a lost host's detection): each test waits for its own."""
+    root = tmp_path_factory.mktemp("hosts")
+    met = threading.Event()
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        elastic = pool.submit(elastic_job, hosts, root / "elastic", met)
+        # the others start once the elastic job's hosts have met: its rendezvous takes whichever
+        # hosts arrive within 5 s of the first, and a loaded machine could make the second late
+        met.wait(TIMEOUT)
+        yield {
+            "layouts": pool.submit(layouts_job, hosts, root / "layouts"),
+            "train": pool.submit(train_job, hosts, root / "train"),
+            "elastic": elastic,
+        }
 
 
 def env() -> dict[str, str]:
@@ -59,14 +79,19 @@ def drift(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
-def test_layouts_across_two_hosts_equal_single_process(hosts, tmp_path):
+def layouts_job(hosts: nshosts.Hosts, tmp_path: Path) -> dict[str, Path]:
     # the two rendezvous side by side, each its own job on its own port
+    tmp_path.mkdir(parents=True)
     outs = {kind: tmp_path / f"{kind}.pt" for kind in ("static", "c10d")}
     procs = {kind: job(hosts, [str(SCRIPT), str(out), *LAYOUTS], kind, free_port(), tmp_path / kind,
                        extra=["--no-dry-run"]) for kind, out in outs.items()}  # fmt: skip
     for kind in procs:
         checked(nshosts.Hosts.wait(procs[kind], TIMEOUT))
-    for kind, out in outs.items():
+    return outs
+
+
+def test_layouts_across_two_hosts_equal_single_process(jobs):
+    for kind, out in jobs["layouts"].result().items():
         results = torch.load(out)
         # the ranks of a host are neighbours: 0-1 on one host, 2-3 on the other
         assert results["hosts"][0] == results["hosts"][1] != results["hosts"][2] == results["hosts"][3], results[
@@ -87,7 +112,8 @@ def _losses(run_dir: Path) -> list[float]:
     return [row["loss"] for row in rows if "loss" in row]
 
 
-def test_tessera_train_across_two_hosts_matches_one_host(hosts, tmp_path):
+def train_job(hosts: nshosts.Hosts, tmp_path: Path) -> Path:
+    tmp_path.mkdir(parents=True)
     settings = ["--set", "trainer.steps=6", "--set", "trainer.eval_every=null", "--set", "trainer.log_every=3"]
     port = free_port()
     across = tmp_path / "across"
@@ -101,6 +127,12 @@ def test_tessera_train_across_two_hosts_matches_one_host(hosts, tmp_path):
               timeout=TIMEOUT)  # fmt: skip
     checked(nshosts.Hosts.wait(procs, TIMEOUT))
     assert one.returncode == 0, one.stdout + one.stderr
+    return tmp_path
+
+
+def test_tessera_train_across_two_hosts_matches_one_host(jobs):
+    tmp_path = jobs["train"].result()
+    across = tmp_path / "across"
     expected = _losses(tmp_path / "one")
     assert len(expected) == 6
     torch.testing.assert_close(_losses(across), expected, rtol=1e-5, atol=0)
@@ -116,11 +148,15 @@ def test_train_across_hosts_needs_its_rendezvous_and_one_run_folder(tmp_path):
     assert out.returncode != 0 and "not both" in out.stderr
 
 
-def test_a_lost_host_leaves_the_other_to_finish_from_the_last_checkpoint_on_fewer_ranks(hosts, tmp_path):
-    """`tessera run --nnodes 1:2 --max-restarts 1` on two hosts; at step 12 host 1 is lost (its
-    agent and ranks SIGKILLed); host 0's agent restarts its ranks alone, they load step 10's
-    checkpoint into a world of 2 (ZeRO-1 resharded, the global batch kept by accumulating 2
-    micro-batches) and finish 20 steps: the weights of 10 steps on 4 ranks, saved, then 10 on 2."""
+def elastic_job(hosts: nshosts.Hosts, tmp_path: Path, met: threading.Event) -> tuple[Path, list[nshosts.HostOutput]]:
+    try:
+        return _elastic_job(hosts, tmp_path, met)
+    finally:
+        met.set()  # also when the job failed before the hosts met: the other jobs start anyway
+
+
+def _elastic_job(hosts: nshosts.Hosts, tmp_path: Path, met: threading.Event) -> tuple[Path, list[nshosts.HostOutput]]:
+    tmp_path.mkdir(parents=True)
     port, elastic = free_port(), tmp_path / "elastic"
     procs = []
     for k in range(hosts.count):
@@ -138,12 +174,22 @@ def test_a_lost_host_leaves_the_other_to_finish_from_the_last_checkpoint_on_fewe
     while not (elastic / "attempt-0.json").exists() and all(p.poll() is None for p in procs):
         assert time.monotonic() < deadline, "the hosts never met"
         time.sleep(0.2)
+    met.set()
     reference = tmp_path / "reference"
     for ranks, steps in ((4, 10), (2, 20)):
         out = run([*tessera_cmd(), "run", "--nproc-per-node", str(ranks), "--no-dry-run", str(ELASTIC), str(reference),
                    str(steps)], env={"PYTHONPATH": str(ROOT)}, timeout=TIMEOUT)  # fmt: skip
         assert out.returncode == 0, out.stdout + out.stderr
-    survivor, lost = nshosts.Hosts.wait(procs, TIMEOUT)
+    return tmp_path, nshosts.Hosts.wait(procs, TIMEOUT)
+
+
+def test_a_lost_host_leaves_the_other_to_finish_from_the_last_checkpoint_on_fewer_ranks(jobs):
+    """`tessera run --nnodes 1:2 --max-restarts 1` on two hosts; at step 12 host 1 is lost (its
+    agent and ranks SIGKILLed); host 0's agent restarts its ranks alone, they load step 10's
+    checkpoint into a world of 2 (ZeRO-1 resharded, the global batch kept by accumulating 2
+    micro-batches) and finish 20 steps: the weights of 10 steps on 4 ranks, saved, then 10 on 2."""
+    tmp_path, (survivor, lost) = jobs["elastic"].result()
+    elastic, reference = tmp_path / "elastic", tmp_path / "reference"
     assert survivor.returncode == 0, survivor.stdout + survivor.stderr
     assert lost.returncode == -9 and "SIGKILLed at step 12" in lost.stderr, lost.stderr
     first, second = (json.loads((elastic / f"attempt-{n}.json").read_text()) for n in (0, 1))
