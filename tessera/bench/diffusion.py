@@ -37,7 +37,7 @@ class Widest:
     order (multiples of 8) until one does not fit."""
 
     budget: int = 384 * _MIB
-    widths: tuple[int, ...] = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384)
+    widths: tuple[int, ...] = (16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384)
 
 
 CASE, WIDEST = UNetCase(), Widest()
@@ -75,6 +75,8 @@ def unet_rows(
         seen = found[side]
         rows.append(Row(f"unet w{case.width} {side} x{ranks}", "peak_rss_mib", seen["peak"] / _MIB, ANCHOR,
                         ddp["peak"] / _MIB))  # fmt: skip
+        rows.append(Row(f"unet w{case.width} {side} x{ranks}", "setup_peak_mib", seen["setup_peak"] / _MIB, ANCHOR,
+                        ddp["setup_peak"] / _MIB))  # fmt: skip
         rows.append(Row(f"unet w{case.width} {side} x{ranks}", "step_time_s", seen["step_time"], ANCHOR,
                         ddp["step_time"]))  # fmt: skip
     return rows, found

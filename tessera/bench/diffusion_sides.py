@@ -23,15 +23,16 @@ class UNetCase:
     """``width``: the UNet's first block's channels (the second has twice as many); images of
     ``image_size`` pixels (latents of half that); ``batch`` images a global batch; ``steps``
     measured steps; Gemini's device and host budgets (bytes per rank; the rest of its model state
-    on disk: on a CPU the device and the host are the same memory)."""
+    on disk: on a CPU the device and the host are the same memory). Every side builds the
+    model whole on every rank, then sets up (tessera shards it)."""
 
     width: int = 64
     image_size: int = 32
     batch: int = 16
     steps: int = 3
     lr: float = 1e-4
-    gemini_device: int = 8 * _MIB
-    gemini_host: int = 8 * _MIB
+    gemini_device: int = 48 * _MIB
+    gemini_host: int = 16 * _MIB
 
 
 def _batches(case: UNetCase, replicas: int, replica: int, parts: Any) -> list[dict[str, torch.Tensor]]:
@@ -93,7 +94,7 @@ def _tessera(
                   "offload_dir": folder, "frozen_tier": "disk"}  # fmt: skip
         config = {"gemini": gemini}
     use_layout(config=config)
-    parts = _parts(case)
+    parts = _parts(case)  # whole on every rank, as DDP's (tessera.deferred_init cannot replay this UNet yet)
     if ckpt:
         checkpoint_unet_blocks(parts.unet)
     model = NoisePrediction(parts)
@@ -116,7 +117,8 @@ def side_body(side: str, case: UNetCase) -> dict[str, Any]:
     width 8 (imports and one-time set-up outside the measurement). Returns this rank's peak RSS
     above its resident size before the build (``peak``; None where /proc cannot tell), the
     losses (the global batch's, the same on every rank) and the mean time of the steps after
-    the first."""
+    the first. ``peak`` is the training steps' (the model state each side keeps, its buffers and
+    activations), ``setup_peak`` the build's and set-up's before them."""
     import dataclasses
 
     from tessera.memory.report import peak_rss_bytes, reset_peak_rss, trim_heap
@@ -136,16 +138,23 @@ def side_body(side: str, case: UNetCase) -> dict[str, Any]:
         measurable = reset_peak_rss()
         base = peak_rss_bytes()
         step, close, parts = _build(case, side, f"{folder}/run")
+        batches = _batches(case, replicas, replica, parts)
+        setup = peak_rss_bytes()  # the build's and the set-up's peak (the whole model, then its shards)
+        gc.collect()
+        trim_heap()
+        measurable = reset_peak_rss() and measurable
         losses, times = [], []
-        for batch in _batches(case, replicas, replica, parts):
+        for batch in batches:
             start = time.perf_counter()
             losses.append(step(batch))
             times.append(time.perf_counter() - start)
         peak = peak_rss_bytes()
         close()
     timed = times[1:] or times
+    known = measurable and None not in (base, setup, peak)
     return {
-        "peak": None if not measurable or base is None or peak is None else peak - base,
+        "peak": peak - base if known else None,  # type: ignore[operator]
+        "setup_peak": setup - base if known else None,  # type: ignore[operator]
         "losses": losses,
         "step_time": sum(timed) / len(timed),
         "parameters": sum(p.numel() for p in parts.unet.parameters()),

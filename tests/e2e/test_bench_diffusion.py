@@ -18,9 +18,10 @@ TINY = UNetCase(width=16, image_size=16, batch=4, steps=2, lr=1e-3)
 def test_bench_diffusion_unet_rows(tmp_path, pools):
     sides = ("ddp", "zero3+ckpt", "gemini")
     rows, found = diffusion.unet_rows(TINY, sides, ranks=2, pools=pools)
-    data = check(rows, tmp_path, {"peak_rss_mib", "step_time_s"})
+    metrics = ("peak_rss_mib", "setup_peak_mib", "step_time_s")
+    data = check(rows, tmp_path, set(metrics))
     assert [(row["name"], row["metric"]) for row in data] == [
-        (f"unet w16 {side} x2", metric) for side in sides[1:] for metric in ("peak_rss_mib", "step_time_s")
+        (f"unet w16 {side} x2", metric) for side in sides[1:] for metric in metrics
     ]
     assert all(row["anchor"] == "torch DDP" for row in data)
     reference = found["ddp"]["losses"]
