@@ -5,12 +5,11 @@ only ``tessera.shutdown()``; and the folder a SIGKILLed run left is removed by t
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
-from tests.e2e.test_cli import HERE, results, run, tessera_cmd
+from tests.e2e.test_cli import HERE, results, run, run_together, tessera_cmd
 
 SCRIPT = HERE / "scripts" / "offload_run.py"
 
@@ -32,14 +31,39 @@ def left_in(folder) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
 
 
-def train(tmp_path, *extra: str) -> subprocess.CompletedProcess:
+def train_command(tmp_path, *extra: str) -> list[str]:
     offload = tmp_path / "offload"
-    return run([*tessera_cmd(), "train", "--nproc", "2", "--output-dir", str(tmp_path / "run"), *TRAIN,
-                "--set", f"gemini.offload_dir={offload}", *extra], timeout=300)  # fmt: skip
+    return [*tessera_cmd(), "train", "--nproc", "2", "--output-dir", str(tmp_path / "run"), *TRAIN,
+            "--set", f"gemini.offload_dir={offload}", *extra]  # fmt: skip
 
 
-def test_tessera_train_leaves_no_offload_files_after_a_normal_end(tmp_path):
-    out = train(tmp_path)
+def script_command(tmp_path, mode: str, *overrides: str) -> list[str]:
+    return [*tessera_cmd(), "run", "--nproc-per-node", "2", "--no-dry-run", "--run-dir", str(tmp_path / "run"),
+            str(SCRIPT), str(tmp_path / "offload"), mode, *overrides]  # fmt: skip
+
+
+# every launch of the tests below, by name: (how it is made, its arguments)
+LAUNCHES = {
+    "train-end": (train_command, ()),
+    "train-budget": (train_command, TRAIN_BUDGET_ERROR),
+    "train-raise": (train_command, TRAIN_RAISES),
+    "script-end": (script_command, ("end",)),
+    "script-budget": (script_command, ("end", *SCRIPT_BUDGET_ERROR)),
+    "script-raise": (script_command, ("raise",)),
+}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """The six launches, started together (independent: each picks its own port and folders):
+    by name, its folder and its output."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in LAUNCHES}
+    outs = run_together(*(make(folders[n], *args) for n, (make, args) in LAUNCHES.items()), timeout=300)
+    return {name: (folders[name], out) for name, out in zip(LAUNCHES, outs)}
+
+
+def test_tessera_train_leaves_no_offload_files_after_a_normal_end(launched):
+    tmp_path, out = launched["train-end"]
     assert out.returncode == 0, out.stdout + out.stderr
     memory = json.loads((tmp_path / "run" / "memory.json").read_text())
     assert memory["strategy"] == "gemini(auto)" and memory["disk_written_bytes"] > 0, "the disk tier was used"
@@ -51,8 +75,8 @@ def test_tessera_train_leaves_no_offload_files_after_a_normal_end(tmp_path):
     [("budget", TRAIN_BUDGET_ERROR, "cannot hold the traced activations"), ("raise", TRAIN_RAISES, "non-finite loss")],
     ids=["budget-error", "raised-in-training"],
 )
-def test_tessera_train_leaves_no_offload_files_after_an_error(tmp_path, case, extra, error):
-    out = train(tmp_path, *extra)
+def test_tessera_train_leaves_no_offload_files_after_an_error(launched, case, extra, error):
+    tmp_path, out = launched[f"train-{case}"]
     assert out.returncode != 0 and error in out.stderr, out.stdout + out.stderr
     assert "error on rank 0 (the same on rank 1)" in out.stderr, out.stderr
     if case == "raise":
@@ -60,13 +84,8 @@ def test_tessera_train_leaves_no_offload_files_after_an_error(tmp_path, case, ex
     assert left_in(tmp_path / "offload") == []
 
 
-def run_script(tmp_path, mode: str, *overrides: str) -> subprocess.CompletedProcess:
-    return run([*tessera_cmd(), "run", "--nproc-per-node", "2", "--no-dry-run", "--run-dir", str(tmp_path / "run"),
-                str(SCRIPT), str(tmp_path / "offload"), mode, *overrides], timeout=300)  # fmt: skip
-
-
-def test_a_script_that_ends_with_shutdown_leaves_no_offload_files(tmp_path):
-    out = run_script(tmp_path, "end")
+def test_a_script_that_ends_with_shutdown_leaves_no_offload_files(launched):
+    tmp_path, out = launched["script-end"]
     assert out.returncode == 0, out.stdout + out.stderr
     rows = results(out.stdout)
     held = [int(r["files"]) for r in rows if "files" in r]
@@ -76,12 +95,15 @@ def test_a_script_that_ends_with_shutdown_leaves_no_offload_files(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("mode", "overrides", "error"),
-    [("end", SCRIPT_BUDGET_ERROR, "cannot hold the traced activations"), ("raise", (), "the loss failed at step 2")],
+    ("mode", "name", "error"),
+    [
+        ("end", "script-budget", "cannot hold the traced activations"),
+        ("raise", "script-raise", "the loss failed at step 2"),
+    ],
     ids=["budget-error", "raised-in-training"],
 )
-def test_a_script_that_raises_before_its_shutdown_leaves_no_offload_files(tmp_path, mode, overrides, error):
-    out = run_script(tmp_path, mode, *overrides)
+def test_a_script_that_raises_before_its_shutdown_leaves_no_offload_files(launched, mode, name, error):
+    tmp_path, out = launched[name]
     assert out.returncode != 0 and error in out.stderr, out.stdout + out.stderr
     rows = results(out.stdout)
     held = [int(r["files"]) for r in rows if "files" in r]

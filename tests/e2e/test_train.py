@@ -5,9 +5,31 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tessera.checkpoint import load_weights
 from tessera.models import gpt
-from tests.e2e.test_cli import run, tessera_cmd
+from tests.e2e.test_cli import run, run_together, tessera_cmd
+
+QUICK = ["--set", "trainer.steps=3", "--set", "trainer.eval_every=3", "--set", "trainer.progress_bar=false",
+         "--set", "data.max_bytes=100000", "--set", "data.micro_batch_size=4"]  # fmt: skip
+LAYOUTS = {
+    "2d": ["--nproc", "4", "--set", "parallel.tensor.size=4", "--set", "parallel.tensor.mode=2d"],
+    # the sequence axis alone: 2 ranks
+    "sp": ["--nproc", "2", "--set", "parallel.sequence.size=2", "--set", "parallel.sequence.mode=ring",
+           "--set", "activation_checkpoint.mode=selective"],
+    "pp": ["--nproc", "2", "--set", "parallel.pipeline.size=2", "--set", "parallel.pipeline.microbatches=2"],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory):
+    """The three layouts' short runs, started together (independent launches): their run folders
+    and outputs by name."""
+    root = tmp_path_factory.mktemp("layouts")
+    commands = [[*tessera_cmd(), "train", *LAYOUTS[name], "--output-dir", str(root / name), *QUICK] for name in LAYOUTS]
+    outs = run_together(*commands, timeout=300)
+    return {name: (root / name, out) for name, out in zip(LAYOUTS, outs)}
 
 
 def test_train_rejects_a_bad_config_before_starting_processes():
@@ -19,12 +41,8 @@ def test_train_rejects_a_bad_config_before_starting_processes():
     assert out.returncode == 2 and "has only 6 layers" in out.stderr, out.stderr
 
 
-def test_train_runs_under_2d_tensor_parallelism(tmp_path):
-    run_dir = tmp_path / "run2d"
-    out = run([*tessera_cmd(), "train", "--nproc", "4", "--output-dir", str(run_dir),
-               "--set", "parallel.tensor.size=4", "--set", "parallel.tensor.mode=2d",
-               "--set", "trainer.steps=3", "--set", "trainer.eval_every=3", "--set", "trainer.progress_bar=false",
-               "--set", "data.max_bytes=100000", "--set", "data.micro_batch_size=4"], timeout=300)  # fmt: skip
+def test_train_runs_under_2d_tensor_parallelism(layout_runs):
+    run_dir, out = layout_runs["2d"]
     assert out.returncode == 0, out.stdout + out.stderr
     config = json.loads((run_dir / "config.json").read_text())
     assert config["parallel"]["tensor"] == {
@@ -39,13 +57,8 @@ def test_train_runs_under_2d_tensor_parallelism(tmp_path):
     assert {k: tuple(v.shape) for k, v in weights.items()} == {k: tuple(v.shape) for k, v in reference.items()}
 
 
-def test_train_runs_under_sequence_parallelism(tmp_path):
-    run_dir = tmp_path / "runsp"  # the sequence axis alone: 2 ranks
-    out = run([*tessera_cmd(), "train", "--nproc", "2", "--output-dir", str(run_dir),
-               "--set", "parallel.sequence.size=2", "--set", "parallel.sequence.mode=ring",
-               "--set", "activation_checkpoint.mode=selective",
-               "--set", "trainer.steps=3", "--set", "trainer.eval_every=3", "--set", "trainer.progress_bar=false",
-               "--set", "data.max_bytes=100000", "--set", "data.micro_batch_size=4"], timeout=300)  # fmt: skip
+def test_train_runs_under_sequence_parallelism(layout_runs):
+    run_dir, out = layout_runs["sp"]
     assert out.returncode == 0, out.stdout + out.stderr
     config = json.loads((run_dir / "config.json").read_text())
     assert config["parallel"]["sequence"] == {"size": 2, "mode": "ring"}
@@ -55,12 +68,8 @@ def test_train_runs_under_sequence_parallelism(tmp_path):
     assert {k: tuple(v.shape) for k, v in weights.items()} == {k: tuple(v.shape) for k, v in reference.items()}
 
 
-def test_train_runs_with_pipeline_stages(tmp_path):
-    run_dir = tmp_path / "runpp"
-    out = run([*tessera_cmd(), "train", "--nproc", "2", "--output-dir", str(run_dir),
-               "--set", "parallel.pipeline.size=2", "--set", "parallel.pipeline.microbatches=2",
-               "--set", "trainer.steps=3", "--set", "trainer.eval_every=3", "--set", "trainer.progress_bar=false",
-               "--set", "data.max_bytes=100000", "--set", "data.micro_batch_size=4"], timeout=300)  # fmt: skip
+def test_train_runs_with_pipeline_stages(layout_runs):
+    run_dir, out = layout_runs["pp"]
     assert out.returncode == 0, out.stdout + out.stderr
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines if "final" not in m] == [1, 2, 3]
