@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -233,10 +234,16 @@ def test_the_torchrun_recipes_across_two_hosts_print_the_losses_of_one_host(host
     static_host0, static_host1, dynamic = torchrun_recipes()
     assert "--node-rank 0" in static_host0 and "--node-rank 1" in static_host1 and "c10d" in dynamic
     env = job_env(scratch)
-    for per_host in ([static_host0, static_host1], [dynamic, dynamic]):  # one job after the other: the same port
-        procs = [hosts.popen(k, ["bash", "-c", command], env=env, cwd=scratch) for k, command in enumerate(per_host)]
-        outs = hosts.wait(procs, TIMEOUT)
-        for out in outs:
-            assert out.returncode == 0, f"{per_host[out.host]} on host{out.host}:\n{out.stdout}\n{out.stderr}"
-        # rank 0 prints: on host0 under the static rendezvous, on either host under c10d
-        torch.testing.assert_close(epoch_losses("".join(o.stdout for o in outs)), reference, rtol=1e-5, atol=0)
+    # the two jobs use the same port: side by side, each on hosts of its own (another pair of namespaces)
+    # (and in a copy of the folder: a run folder is named after the second it started in)
+    apart = shutil.copytree(scratch, scratch.parent / f"{scratch.name}-c10d", dirs_exist_ok=True)
+    with nshosts.Hosts(2, net=232) as others:
+        started = [(per_host, on, [on.popen(k, ["bash", "-c", c], env=env, cwd=cwd) for k, c in enumerate(per_host)])
+                   for per_host, on, cwd in (([static_host0, static_host1], hosts, scratch),
+                                             ([dynamic, dynamic], others, apart))]  # fmt: skip
+        for per_host, on, procs in started:
+            outs = on.wait(procs, TIMEOUT)
+            for out in outs:
+                assert out.returncode == 0, f"{per_host[out.host]} on host{out.host}:\n{out.stdout}\n{out.stderr}"
+            # rank 0 prints: on host0 under the static rendezvous, on either host under c10d
+            torch.testing.assert_close(epoch_losses("".join(o.stdout for o in outs)), reference, rtol=1e-5, atol=0)
