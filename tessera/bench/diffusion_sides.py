@@ -23,7 +23,8 @@ class UNetCase:
     """``width``: the UNet's first block's channels (the second has twice as many); images of
     ``image_size`` pixels (latents of half that); ``batch`` images a global batch; ``steps``
     measured steps; Gemini's device and host budgets (bytes per rank; the rest of its model state
-    on disk: on a CPU the device and the host are the same memory). Every side builds the
+    on disk: on a CPU the device and the host are the same memory), the device's larger without
+    checkpointing (Gemini's device budget holds the traced activations). Every side builds the
     model whole on every rank, then sets up (tessera shards it)."""
 
     width: int = 64
@@ -32,6 +33,7 @@ class UNetCase:
     steps: int = 3
     lr: float = 1e-4
     gemini_device: int = 48 * _MIB
+    gemini_device_whole: int = 160 * _MIB  # without checkpointing: the traced activations must fit on the device
     gemini_host: int = 16 * _MIB
 
 
@@ -90,7 +92,8 @@ def _tessera(
     if system == "zero3":
         config: dict[str, Any] = {"zero": {"stage": 3}}
     else:
-        gemini = {"placement": "auto", "device_budget": case.gemini_device, "host_budget": case.gemini_host,
+        device = case.gemini_device if ckpt else case.gemini_device_whole
+        gemini = {"placement": "auto", "device_budget": device, "host_budget": case.gemini_host,
                   "offload_dir": folder, "frozen_tier": "disk"}  # fmt: skip
         config = {"gemini": gemini}
     use_layout(config=config)
