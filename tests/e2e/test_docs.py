@@ -17,7 +17,9 @@ import re
 import shlex
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,24 +114,50 @@ class Ran:
     folder: Path  # where it ran: relative paths it printed are under it
 
 
-_RESULTS: dict[tuple[str, ...], Ran] = {}
+_RESULTS: dict[tuple[str, ...], Future[Ran]] = {}
+_LOCK = threading.Lock()
+_RUNNING = ThreadPoolExecutor(max_workers=4)
+
+
+def start_in(page: str, command: str, scratch: Path) -> Future[Ran]:
+    """Start ``command`` with bash in the page's scratch folder (its files written there), or find
+    it started: the same command on the same files runs once (``tessera check`` is on both pages)."""
+    files = files_of(page)
+    key = (command, *sorted(f"{name}\n{text}" for name, text in files.items() if name and name in command))
+    with _LOCK:
+        if key not in _RESULTS:
+            folder = scratch / page.replace("/", "_")
+            folder.mkdir(parents=True, exist_ok=True)
+            for name, text in files.items():
+                if name:
+                    (folder / name).write_text(text)
+
+            def ran() -> Ran:
+                out = subprocess.run(["bash", "-c", command], cwd=folder, env=user_env(scratch),
+                                     capture_output=True, text=True, timeout=600)  # fmt: skip
+                return Ran(out, folder)
+
+            _RESULTS[key] = _RUNNING.submit(ran)
+        return _RESULTS[key]
 
 
 def run_in(page: str, command: str, scratch: Path) -> Ran:
-    """Run ``command`` with bash in the page's scratch folder (its files written there). The same
-    command on the same files runs once (``tessera check`` is on both pages)."""
-    files = files_of(page)
-    key = (command, *sorted(f"{name}\n{text}" for name, text in files.items() if name and name in command))
-    if key not in _RESULTS:
-        folder = scratch / page.replace("/", "_")
-        folder.mkdir(parents=True, exist_ok=True)
-        for name, text in files.items():
-            if name:
-                (folder / name).write_text(text)
-        out = subprocess.run(["bash", "-c", command], cwd=folder, env=user_env(scratch),
-                             capture_output=True, text=True, timeout=600)  # fmt: skip
-        _RESULTS[key] = Ran(out, folder)
-    return _RESULTS[key]
+    """:func:`start_in`, waited for."""
+    return start_in(page, command, scratch).result()
+
+
+# the pages' longest commands (4 ranks each, independent: their own run folders and ports), started
+# together when this module's first test starts
+LONGEST = [(p, c) for p in PAGES for b in blocks(p) if b.lang in SHELL for c in commands(b)
+           if c.startswith("tessera run --nproc-per-node 4 ")]  # fmt: skip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _longest_started(tmp_path_factory):
+    scratch = tmp_path_factory.getbasetemp() / "docs"
+    scratch.mkdir(exist_ok=True)
+    for page, command in LONGEST:
+        start_in(page, as_run(command), scratch)
 
 
 def as_run(command: str) -> str:
