@@ -27,7 +27,7 @@ class UNetCase:
     checkpointing (Gemini's device budget holds the traced activations). Every side builds the
     model whole on every rank, then sets up (tessera shards it)."""
 
-    width: int = 64
+    width: int = 128
     image_size: int = 32
     batch: int = 16
     steps: int = 3

@@ -17,7 +17,7 @@ import tessera.cli
 from tessera.config import DataConfig, default_run_dir, load_config
 from tessera.hf.train import tokens_of
 from tessera.train import corpus_bytes
-from tests.e2e.test_cli import run, tessera_cmd
+from tests.e2e.test_cli import run, run_together, tessera_cmd
 
 REPO = Path(__file__).resolve().parents[2]
 SHORT = ["--set", "trainer.steps=6", "--set", "trainer.log_every=2", "--set", "trainer.eval_every=3",
@@ -67,12 +67,59 @@ def loss_on(model: torch.nn.Module, ids: torch.Tensor) -> float:
         return float(model(input_ids=ids, labels=ids).loss)
 
 
-def test_a_folder_is_fine_tuned_under_tensor_parallelism_and_saved_for_transformers(tmp_path):
-    start = write_llama(tmp_path / "llama")
+def folder_command(tmp_path: Path) -> list[str]:
+    write_llama(tmp_path / "llama")
+    return [*tessera_cmd(), "train", "--model", f"hf:{tmp_path / 'llama'}", "--nproc", "2",
+            "--output-dir", str(tmp_path / "run"), "--set", "parallel.tensor.size=2", "--set", "data.max_bytes=30000",
+            *SHORT]  # fmt: skip
+
+
+def tokenizer_command(tmp_path: Path) -> list[str]:
+    folder = tmp_path / "gpt2"
+    tokenizer = write_tokenizer(folder)
+    end = tokenizer.convert_tokens_to_ids("<|end|>")
+    transformers.GPT2Config(vocab_size=320, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=end,
+                            eos_token_id=end).save_pretrained(folder)  # fmt: skip
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.py").write_bytes((REPO / "tessera" / "train.py").read_bytes())
+    (texts / "b.py").write_bytes((REPO / "tessera" / "hf" / "train.py").read_bytes())
+    config = tmp_path / "finetune.py"
+    config.write_text(f"model = dict(name={'hf:' + str(folder)!r})\nlaunch = dict(nproc_per_node=1)\n")
+    return [*tessera_cmd(), "train", str(config), "--data", str(texts), "--output-dir", str(tmp_path / "run"), *SHORT]
+
+
+def adapters_command(tmp_path: Path) -> list[str]:
+    write_llama(tmp_path / "llama")
+    return [*tessera_cmd(), "train", "--model", f"hf:{tmp_path / 'llama'}", "--nproc", "2",
+            "--output-dir", str(tmp_path / "run"), "--set", "parallel.tensor.size=2", "--set", "data.max_bytes=30000",
+            "--set", "lora.rank=4", "--set", "lora.alpha=64", "--set", "lora.targets=['q_proj','v_proj','down_proj']",
+            *SHORT]  # fmt: skip
+
+
+def gpt_lora_command(tmp_path: Path) -> list[str]:
+    return [*tessera_cmd(), "train", "--nproc", "2", "--output-dir", str(tmp_path / "run"), "--set", "parallel.data=2",
+            "--set", "zero.stage=3", "--set", "data.max_bytes=30000", "--set", "lora.rank=4",
+            "--set", "lora.quantize=nf4", *SHORT]  # fmt: skip
+
+
+LAUNCHES = {"folder": folder_command, "tokenizer": tokenizer_command, "adapters": adapters_command,
+            "gpt-lora": gpt_lora_command}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """The module's four training runs, their inputs written first, started together (independent
+    launches): by name, the folder they ran in and their output."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in LAUNCHES}
+    outs = run_together(*(make(folders[name]) for name, make in LAUNCHES.items()), timeout=300)
+    return {name: (folders[name], out) for name, out in zip(LAUNCHES, outs)}
+
+
+def test_a_folder_is_fine_tuned_under_tensor_parallelism_and_saved_for_transformers(launched):
+    tmp_path, out = launched["folder"]
+    start = dict(transformers.LlamaForCausalLM.from_pretrained(tmp_path / "llama").state_dict())
     run_dir = tmp_path / "run"
-    out = run([*tessera_cmd(), "train", "--model", f"hf:{tmp_path / 'llama'}", "--nproc", "2",
-               "--output-dir", str(run_dir), "--set", "parallel.tensor.size=2", "--set", "data.max_bytes=30000",
-               *SHORT], timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     assert "LlamaForCausalLM" in out.stderr and "byte ids" in out.stderr and "on 2 rank(s)" in out.stderr
     assert sorted(p.name for p in run_dir.iterdir()) == ["config.json", "hf", "loss.png", "metrics.jsonl"]
@@ -93,22 +140,11 @@ def test_a_folder_is_fine_tuned_under_tensor_parallelism_and_saved_for_transform
     assert loss_on(model, text) < loss_on(before, text) - 0.3
 
 
-def test_a_config_with_its_tokenizer_trains_from_random_weights_on_text_files(tmp_path):
-    folder = tmp_path / "gpt2"
-    tokenizer = write_tokenizer(folder)
-    end = tokenizer.convert_tokens_to_ids("<|end|>")
-    transformers.GPT2Config(vocab_size=320, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=end,
-                            eos_token_id=end).save_pretrained(folder)  # fmt: skip
+def test_a_config_with_its_tokenizer_trains_from_random_weights_on_text_files(launched):
+    tmp_path, out = launched["tokenizer"]
+    folder, texts, run_dir = tmp_path / "gpt2", tmp_path / "texts", tmp_path / "run"
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", "tokenizer.json", "tokenizer_config.json"]
-    texts = tmp_path / "texts"
-    texts.mkdir()
-    (texts / "a.py").write_bytes((REPO / "tessera" / "train.py").read_bytes())
-    (texts / "b.py").write_bytes((REPO / "tessera" / "hf" / "train.py").read_bytes())
-    config = tmp_path / "finetune.py"
-    config.write_text(f"model = dict(name={'hf:' + str(folder)!r})\nlaunch = dict(nproc_per_node=1)\n")
-    run_dir = tmp_path / "run"
-    out = run([*tessera_cmd(), "train", str(config), "--data", str(texts), "--output-dir", str(run_dir), *SHORT],
-              timeout=300)  # fmt: skip
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "GPT2LMHeadModel" in out.stderr and "random weights, its tokenizer" in out.stderr
     recorded = json.loads((run_dir / "config.json").read_text())["data"]
@@ -215,15 +251,11 @@ def test_without_transformers_an_hf_model_asks_for_the_extra(capsys, folders, mo
     assert "needs transformers, which is not installed: pip install 'tessera[hf]'" in err
 
 
-def test_adapters_fine_tuned_under_tensor_parallelism_load_into_peft(tmp_path):
+def test_adapters_fine_tuned_under_tensor_parallelism_load_into_peft(launched):
     import peft
 
-    write_llama(tmp_path / "llama")
+    tmp_path, out = launched["adapters"]
     run_dir = tmp_path / "run"
-    out = run([*tessera_cmd(), "train", "--model", f"hf:{tmp_path / 'llama'}", "--nproc", "2",
-               "--output-dir", str(run_dir), "--set", "parallel.tensor.size=2", "--set", "data.max_bytes=30000",
-               "--set", "lora.rank=4", "--set", "lora.alpha=64", "--set", "lora.targets=['q_proj','v_proj','down_proj']", *SHORT],
-              timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     assert sorted(p.name for p in run_dir.iterdir()) == ["adapter", "config.json", "loss.png", "metrics.jsonl"]
     trained = losses(run_dir)
@@ -236,14 +268,12 @@ def test_adapters_fine_tuned_under_tensor_parallelism_load_into_peft(tmp_path):
     assert loss_on(adapted, text) < before - 0.05
 
 
-def test_lora_on_tessera_gpt_writes_its_weights_with_the_adapters_merged(tmp_path):
+def test_lora_on_tessera_gpt_writes_its_weights_with_the_adapters_merged(launched):
     from tessera.checkpoint import load_weights
     from tessera.models import gpt
 
+    tmp_path, out = launched["gpt-lora"]
     run_dir = tmp_path / "run"
-    out = run([*tessera_cmd(), "train", "--nproc", "2", "--output-dir", str(run_dir), "--set", "parallel.data=2",
-               "--set", "zero.stage=3", "--set", "data.max_bytes=30000", "--set", "lora.rank=4",
-               "--set", "lora.quantize=nf4", *SHORT], timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     assert (run_dir / "adapter" / "adapter_config.json").is_file()
     weights = load_weights(run_dir / "model.safetensors")
