@@ -34,10 +34,20 @@ ANCHOR = "torch DDP"
 @dataclass(frozen=True)
 class Widest:
     """The largest-UNet search: ``budget`` bytes per rank above the baseline; ``widths`` tried in
-    order (multiples of 8) until one does not fit."""
+    order (multiples of 8) until one does not fit. Gemini is given a share of the budget as its
+    device and host budgets (``device_share``, ``host_share``; the rest of its model state on
+    disk), as a user sizes it for the memory they have."""
 
     budget: int = 384 * _MIB
     widths: tuple[int, ...] = (16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384)
+    device_share: float = 1 / 3
+    host_share: float = 1 / 8
+
+    def case(self, case: UNetCase, width: int) -> UNetCase:
+        device, host = int(self.budget * self.device_share), int(self.budget * self.host_share)
+        return dataclasses.replace(
+            case, width=width, gemini_device=device, gemini_device_whole=device, gemini_host=host
+        )
 
 
 CASE, WIDEST = UNetCase(), Widest()
@@ -94,7 +104,7 @@ def widest(
     at each width tried."""
     best, seen = 0, {}
     for width in search.widths:
-        got = run_side(side, dataclasses.replace(case, width=width), ranks, pools)
+        got = run_side(side, search.case(case, width), ranks, pools)
         seen[width] = got["peak"]
         if got["peak"] is None or got["peak"] > search.budget:
             break
