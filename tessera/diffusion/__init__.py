@@ -11,6 +11,7 @@ state; sharded and released under ZeRO-3 and Gemini). ``diffusers`` is an option
 
 from tessera.diffusion.autoencoder import fit_vae
 from tessera.diffusion.data import ShapesDataset, caption_vocabulary, collate, render
+from tessera.diffusion.evaluation import caption_agreement, colour_error
 from tessera.diffusion.models import (
     DiffusionParts,
     build_parts,
@@ -21,6 +22,7 @@ from tessera.diffusion.models import (
 )
 from tessera.diffusion.objective import NoisePrediction
 from tessera.diffusion.sampling import sample, save_grid
+from tessera.diffusion.text_encoder import fit_text_encoder
 from tessera.diffusion.training import local_batch, trained_parts
 
 __all__ = [
@@ -28,9 +30,12 @@ __all__ = [
     "NoisePrediction",
     "ShapesDataset",
     "build_parts",
+    "caption_agreement",
     "caption_vocabulary",
     "checkpoint_unet_blocks",
     "collate",
+    "colour_error",
+    "fit_text_encoder",
     "fit_vae",
     "load_folder",
     "local_batch",

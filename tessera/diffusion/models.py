@@ -83,11 +83,20 @@ def build_tokenizer() -> Any:
     )
 
 
-def build_parts(*, width: int = 16, image_size: int = 16, text_width: int = 32, seed: int = 0) -> DiffusionParts:
+def build_parts(
+    *,
+    width: int = 16,
+    image_size: int = 16,
+    text_width: int = 32,
+    prediction_type: str = "v_prediction",
+    seed: int = 0,
+) -> DiffusionParts:
     """A small pipeline's parts with random weights from ``seed`` (the same on every rank).
 
     ``width``: the UNet's first block's channels (the second has twice as many); ``image_size``:
-    the images' side (the latents' is half of it)."""
+    the images' side (the latents' is half of it); ``prediction_type``: what the UNet predicts
+    (the scheduler's: ``v_prediction``, the default, ``epsilon`` or ``sample``; with the epsilon
+    objective the samples did not learn their captions in the example's budgets, docs/diffusion.md)."""
     if width < 8 or width % 8:
         raise ValueError(f"UNet width {width} must be a multiple of 8 (its group norms have 8 groups)")
     diffusers = require_diffusers()
@@ -116,7 +125,9 @@ def build_parts(*, width: int = 16, image_size: int = 16, text_width: int = 32, 
         up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
     )  # fmt: skip
     # clip_sample off, as Stable Diffusion: the latents are not bounded by 1
-    scheduler = diffusers.DDPMScheduler(num_train_timesteps=1000, beta_schedule="squaredcos_cap_v2", clip_sample=False)
+    scheduler = diffusers.DDPMScheduler(
+        num_train_timesteps=1000, beta_schedule="squaredcos_cap_v2", clip_sample=False, prediction_type=prediction_type
+    )
     return DiffusionParts(unet, text_encoder, vae, tokenizer, scheduler)
 
 

@@ -1,5 +1,7 @@
-"""The noise-prediction objective of Stable Diffusion as one module: a trainable UNet beside a
-frozen text encoder and a frozen VAE, whose forward takes a batch and returns its loss."""
+"""The denoising objective of Stable Diffusion as one module: a trainable UNet beside a frozen
+text encoder and a frozen VAE, whose forward takes a batch and returns its loss. What the UNet
+predicts is the scheduler's ``prediction_type``: the noise (``epsilon``), the velocity
+(``v_prediction``) or the clean latents (``sample``); DDIM sampling reads the same config."""
 
 from __future__ import annotations
 
@@ -9,6 +11,9 @@ from torch import nn
 
 from tessera.diffusion.models import DiffusionParts
 
+#: The scheduler's ``prediction_type``s the objective trains.
+TARGETS = ("epsilon", "v_prediction", "sample")
+
 
 class NoisePrediction(nn.Module):
     """``forward(pixel_values, input_ids, noise, timesteps) -> {"loss", "prediction"}``.
@@ -17,9 +22,10 @@ class NoisePrediction(nn.Module):
     distribution, times its scaling factor; no sampling, so nothing random but ``noise``),
     noised to ``timesteps`` (B,) with ``noise`` (B, C, S/f, S/f) by the scheduler, and the UNet,
     conditioned on the text encoder's last hidden states of ``input_ids`` (B, L), predicts the
-    noise (``prediction``, the latents' shape); the loss is the mean squared error over every
-    element. The text encoder and the VAE
-    are frozen (``requires_grad`` False) and run without autograd."""
+    target of the scheduler's ``prediction_type`` (``prediction``, the latents' shape): the noise,
+    the velocity ``sqrt(alpha_bar) * noise - sqrt(1 - alpha_bar) * latents`` or the latents. The
+    loss is the mean squared error over every element. The text encoder and the VAE are frozen
+    (``requires_grad`` False) and run without autograd."""
 
     def __init__(self, parts: DiffusionParts) -> None:
         super().__init__()
@@ -27,9 +33,9 @@ class NoisePrediction(nn.Module):
         self.text_encoder = parts.text_encoder.requires_grad_(False).eval()
         self.vae = parts.vae.requires_grad_(False).eval()
         self.scheduler = parts.scheduler
-        if parts.scheduler.config.prediction_type != "epsilon":
+        if parts.scheduler.config.prediction_type not in TARGETS:
             raise ValueError(
-                f"NoisePrediction trains the epsilon objective; the scheduler predicts "
+                f"NoisePrediction trains the targets {list(TARGETS)}; the scheduler predicts "
                 f"{parts.scheduler.config.prediction_type!r}"
             )
 
@@ -48,7 +54,7 @@ class NoisePrediction(nn.Module):
         return latents, text
 
     def predict(self, noisy: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-        """The UNet's noise prediction for ``noisy`` latents at ``timesteps`` given ``text``."""
+        """The UNet's prediction for ``noisy`` latents at ``timesteps`` given ``text``."""
         return self.unet(noisy, timesteps, encoder_hidden_states=text).sample
 
     def forward(
@@ -62,7 +68,16 @@ class NoisePrediction(nn.Module):
         latents, text = self.encode(pixel_values, input_ids)
         noisy = self.scheduler.add_noise(latents, noise.to(latents.dtype), timesteps)
         prediction = self.predict(noisy, timesteps, text)
-        return {"loss": F.mse_loss(prediction.float(), noise.float()), "prediction": prediction}
+        target = self.target(latents, noise, timesteps)
+        return {"loss": F.mse_loss(prediction.float(), target.float()), "prediction": prediction}
+
+    def target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        """What the UNet learns to predict from the latents noised with ``noise`` to ``timesteps``
+        (the velocity in float32, whatever autocast gave the latents)."""
+        kind = self.scheduler.config.prediction_type
+        if kind == "v_prediction":
+            return self.scheduler.get_velocity(latents.float(), noise.float(), timesteps)
+        return latents if kind == "sample" else noise
 
 
-__all__ = ["NoisePrediction"]
+__all__ = ["TARGETS", "NoisePrediction"]

@@ -41,7 +41,13 @@ def _fresh(model: Any) -> Any:
     """A new model of ``model``'s class and config (a sharded model's own parameters may be
     empty between steps, and its blocks may be checkpointed)."""
     if hasattr(model, "from_config"):  # diffusers
-        return type(model).from_config(model.config)
+        fresh = type(model).from_config(model.config)
+        # from_config drops the entries the model was built without, even when register_to_config
+        # set them later (fit_vae's scaling_factor): a VAE decoding with the default 0.18215
+        # would scale the latents by six and saturate every colour of the samples
+        changed = {k: v for k, v in model.config.items() if not k.startswith("_") and fresh.config.get(k) != v}
+        fresh.register_to_config(**changed)
+        return fresh
     return type(model)(model.config)  # transformers
 
 

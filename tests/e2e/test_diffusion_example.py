@@ -29,6 +29,8 @@ def test_the_example_writes_its_run_folder(tmp_path):
     assert [s["step"] for s in steps] == [1, 2, 3] and all(s["loss"] > 0 for s in steps)
     for name in ("loss.png", "samples-0.png", "samples-3.png", "config.json"):
         assert (run_dir / name).stat().st_size > 0, name
+    scores = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in scores] == [0, 3] and all(0 <= s["agreement"] <= 1 for s in scores)
     unet = diffusers.UNet2DConditionModel.from_pretrained(run_dir / "diffusers" / "unet")
     start = build_parts(seed=0).unet.state_dict()  # the script's starting weights
     trained = unet.state_dict()

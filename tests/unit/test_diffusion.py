@@ -10,18 +10,24 @@ import diffusers  # the diffusion extra: without it this file fails to import, i
 import pytest
 import torch
 
+import tessera
 from tessera.diffusion import (
     NoisePrediction,
     ShapesDataset,
     build_parts,
+    caption_agreement,
     collate,
+    colour_error,
     fit_vae,
     load_folder,
     local_batch,
     render,
+    sample,
     save_folder,
+    trained_parts,
 )
 from tessera.diffusion.data import caption_text, region
+from tessera.testing import use_layout
 
 
 def test_a_sample_is_a_function_of_its_index():
@@ -81,3 +87,47 @@ def test_the_folder_loads_with_plain_diffusers(tmp_path):
     assert torch.equal(loaded.tokenize(["a red circle on the top"]), parts.tokenize(["a red circle on the top"]))
     with pytest.raises(FileNotFoundError, match="not a diffusers folder: no unet"):
         load_folder(tmp_path)
+
+
+def test_the_objective_trains_the_schedulers_prediction_type():
+    parts = build_parts(prediction_type="v_prediction")
+    model = NoisePrediction(parts)
+    data = ShapesDataset(4, parts.tokenize, parts.latent_shape)
+    batch = collate([data[i] for i in range(4)])
+    latents, _ = model.encode(batch["pixel_values"], batch["input_ids"])
+    velocity = parts.scheduler.get_velocity(latents, batch["noise"], batch["timesteps"])
+    out = model(**batch)
+    assert torch.allclose(out["loss"], torch.nn.functional.mse_loss(out["prediction"], velocity))
+    parts.scheduler.register_to_config(prediction_type="flow")
+    with pytest.raises(ValueError, match=r"trains the targets \['epsilon', 'v_prediction', 'sample'\]"):
+        NoisePrediction(parts)
+
+
+def test_the_agreement_of_rendered_images_with_their_captions():
+    shown = [("red", "circle", "top"), ("yellow", "square", "right"), ("blue", "square", "left")]
+    images = torch.stack([(render(*c) + 1) / 2 for c in shown])
+    assert caption_agreement(images, shown) == 1.0 and colour_error(images, shown) < 1e-6
+    swapped = [("green", "circle", "top"), ("red", "square", "right"), ("yellow", "square", "right")]
+    assert caption_agreement(images, swapped) == 0.0 and colour_error(images, swapped) > 0.1
+    with pytest.raises(ValueError, match="3 images and 2 captions"):
+        caption_agreement(images, shown[:2])
+
+
+def test_trained_parts_keep_the_vaes_scaling_factor():
+    """diffusers' from_config drops a config entry the model was built without (fit_vae registers
+    the scaling factor afterwards): trained_parts' copies must keep it, or the samples decode
+    latents scaled by the default 0.18215 instead (every colour saturated)."""
+    use_layout(config={})
+    parts = build_parts(seed=2)
+    fit_vae(parts, steps=1)
+    model = NoisePrediction(parts)
+    engine, *_ = tessera.initialize(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]))
+    try:
+        plain = trained_parts(engine, parts)
+    finally:
+        engine.close()
+    assert plain.vae.config.scaling_factor == parts.vae.config.scaling_factor != 0.18215
+    assert dict(plain.unet.config) == dict(parts.unet.config)
+    assert torch.equal(
+        sample(plain, ["a red square on the left"], steps=2), sample(parts, ["a red square on the left"], steps=2)
+    )
