@@ -45,7 +45,9 @@ def fit_text_encoder(
     loss = torch.zeros(())
     for _ in range(steps):
         pooled = encoder(ids).last_hidden_state.mean(1)
-        loss = sum(F.cross_entropy(head(pooled), label) for head, label in zip(heads, labels, strict=True))
+        loss = torch.stack(
+            [F.cross_entropy(head(pooled), label) for head, label in zip(heads, labels, strict=True)]
+        ).sum()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
