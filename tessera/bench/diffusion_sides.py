@@ -55,9 +55,9 @@ def _parts(case: UNetCase) -> Any:
 def _ddp(case: UNetCase, ckpt: bool) -> tuple[Callable[[dict[str, torch.Tensor]], float], Callable[[], None], Any]:
     """Plain torch DDP over the data ranks, as a diffusers user writes it (checkpointing by
     diffusers' own ``enable_gradient_checkpointing``)."""
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from tessera import comm
     from tessera.diffusion import NoisePrediction
     from tessera.testing import use_layout
 
@@ -75,8 +75,7 @@ def _ddp(case: UNetCase, ckpt: bool) -> tuple[Callable[[dict[str, torch.Tensor]]
         loss = ddp(**batch)["loss"]
         loss.backward()
         optimizer.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=world.pg)
+        mean = comm.all_reduce(loss.detach().clone(), world)  # the global batch's loss, as the engine reports
         return float(mean) / world.size
 
     return step, lambda: None, parts
