@@ -36,7 +36,8 @@ from torch.utils._pytree import tree_map
 from tessera import comm
 from tessera.comm import AxisGroup
 from tessera.context import ParallelContext
-from tessera.parallel.sequence import SequenceLayout, layout_for, sequence_attention
+from tessera.parallel.sequence import SequenceLayout, sequence_attention
+from tessera.parallel.sequence.tokens import model_layout
 
 #: ``attend(q, k, v) -> y`` over ``[rows, heads, frames, head_dim]``
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -45,14 +46,9 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 def frame_layout(mode: str, frames: int, size: int) -> SequenceLayout:
     """The frames each rank holds: ``mode``'s layout of ``frames`` over ``size`` ranks. A clip
     whose frames do not divide into the layout's pieces is refused, naming the numbers."""
-    layout = layout_for(mode, frames, size)
-    if layout.padded != frames:
-        raise ValueError(
-            f"sequence parallelism over {size} ranks in mode {mode!r} splits a clip's frames into "
-            f"{layout.pieces_total} equal pieces: {frames} frames do not divide by {layout.pieces_total}; "
-            f"use clips of a multiple of {layout.pieces_total} frames"
-        )
-    return layout
+    return model_layout(
+        mode, frames, size, items="{length} frames do", remedy="use clips of a multiple of {pieces} frames"
+    )
 
 
 def take_frames(batch: Any, group: AxisGroup, mode: str) -> Any:

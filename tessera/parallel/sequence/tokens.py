@@ -26,15 +26,19 @@ from tessera.parallel.sequence.attention import layout_for
 from tessera.parallel.sequence.layout import SequenceLayout
 
 
-def model_layout(mode: str, length: int, size: int) -> SequenceLayout:
+def model_layout(
+    mode: str, length: int, size: int, *, items: str = "a length of {length} tokens does",
+    remedy: str = "pad the batches to a multiple of {pieces}",
+) -> SequenceLayout:  # fmt: skip
     """The layout a model's tokens are split in (:func:`layout_for`); ``length`` must divide
-    into its pieces."""
+    into its pieces. ``items`` and ``remedy`` word the error for what is split (frames, say):
+    templates of ``{length}`` and ``{pieces}``."""
     layout = layout_for(mode, length, size)
     if layout.padded != length:
+        pieces = layout.pieces_total
         raise ValueError(
-            f"sequence parallelism over {size} ranks in mode {mode!r} cuts each sequence into {layout.pieces_total} "
-            f"equal pieces: a length of {length} tokens does not divide by {layout.pieces_total}; pad the batches "
-            f"to a multiple of {layout.pieces_total}"
+            f"sequence parallelism over {size} ranks in mode {mode!r} cuts each sequence into {pieces} "
+            f"equal pieces: {items.format(length=length)} not divide by {pieces}; {remedy.format(pieces=pieces)}"
         )
     return layout
 
