@@ -51,13 +51,18 @@ def greedy_text(model: torch.nn.Module, prompt: str, new: int) -> str:
     return ByteTokenizer().decode(tokens[len(prompt.encode()) :])
 
 
-@pytest.fixture(scope="module")
-def weights(tmp_path_factory) -> Path:
+def save_weights(model: torch.nn.Module, folder: Path) -> Path:
+    """``model``'s weights as ``folder/gpt.safetensors`` (what ``init=`` of a served model reads)."""
     from safetensors.torch import save_file
 
-    path = tmp_path_factory.mktemp("serve") / "gpt.safetensors"
-    save_file({k: v.clone().contiguous() for k, v in reference_model().state_dict().items()}, path)
+    path = folder / "gpt.safetensors"
+    save_file({k: v.clone().contiguous() for k, v in model.state_dict().items()}, path)
     return path
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory) -> Path:
+    return save_weights(reference_model(), tmp_path_factory.mktemp("serve"))
 
 
 @pytest.fixture(scope="module")

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import fastapi  # noqa: F401 -- the serve extra, installed by the test extra
 import httpx
-import openai
 import pytest
 import torch
 
 from tessera.inference.text import ByteTokenizer
 from tessera.models.gpt import gpt
 from tessera.testing import assert_draws_clear, greedy_draws
+from tests.e2e.test_serve import client, save_weights
 
 NAME = "tiny-gpt"
 OPTIONS = dict(n_layers=2, max_seq_len=640)
@@ -47,11 +47,7 @@ def model() -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory) -> Path:
-    from safetensors.torch import save_file
-
-    path = tmp_path_factory.mktemp("clients") / "gpt.safetensors"
-    save_file({k: v.clone().contiguous() for k, v in reference_model().state_dict().items()}, path)
-    return path
+    return save_weights(reference_model(), tmp_path_factory.mktemp("clients"))
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +64,6 @@ def urls(weights, tmp_path_factory):
     backend = RankBackend(source, options, log_dir=tmp_path_factory.mktemp("logs")).start()
     with serving(create_app(backend, served_name=NAME, limits=limits)) as url:
         yield (url,)
-
-
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
 def log_softmax(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
