@@ -1,0 +1,112 @@
+"""Dynamic axial parallelism (DAP, as in FastFold) for one Evoformer block: the block's own
+parameters, its inputs and outputs split over the ranks of ``group``.
+
+Layouts (n ranks): the MSA representation ``m`` [B, S, R, c_m] split along sequences (``S/n``
+each) between blocks; the pair representation ``z`` [B, R, R, c_z] split along rows (``R/n`` rows
+``i`` each). Inside the block:
+
+- row attention with pair bias runs on the rows' split MSA (every residue of the local sequences);
+  its bias, a projection of ``z`` to the heads, is gathered whole;
+- the MSA switches to a split along residues (all-to-all) for column attention, the transition and
+  the outer product mean, whose second factor is gathered along residues; then back (all-to-all);
+- the outgoing triangle multiplication gathers its second factor along rows; the incoming one
+  switches its first factor to a split along columns (all-to-all) and gathers the second;
+- triangle attention around the starting node gathers its bias; around the ending node the pair
+  representation switches to a split along columns (all-to-all), is attended as transposed, and
+  switches back.
+
+Every exchange is differentiable (tessera.comm.autograd). The parameters are the same on every
+rank, and each rank's gradients are its share: the caller sums them over ``group``. ``R`` must
+divide by the group's size, and each rank holds as many sequences (padding is the next step).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessera.comm import AxisGroup
+from tessera.comm.autograd import all_gather_forward_reduce_scatter_backward as gather
+from tessera.comm.autograd import all_to_all_forward_all_to_all_backward as switch
+from tessera.models.evoformer.block import (
+    EvoformerBlock,
+    TriangleAttention,
+    TriangleMultiplication,
+    gated_attention,
+)
+
+
+def _row_attention(block: EvoformerBlock, m: torch.Tensor, z: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    mod = block.row_attention
+    q, k, v, g = mod.project(mod.norm(m))
+    bias = gather(mod.pair_bias(mod.pair_norm(z)), group, 1)  # [B, R, R, H]
+    return mod.finish(gated_attention(q, k, v, g, bias.permute(0, 3, 1, 2).unsqueeze(1)))
+
+
+def _outer_product_mean(block: EvoformerBlock, m_cols: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """The rows i of z from the MSA split along residues (its residues are the rows i)."""
+    mod = block.outer_product_mean
+    x = mod.norm(m_cols)
+    a, b = mod.a(x), gather(mod.b(x), group, 2)  # [B, S, R/n, c], [B, S, R, c]
+    outer = torch.einsum("bsic,bsjd->bijcd", a, b) / m_cols.shape[1]
+    return mod.out(outer.flatten(-2))
+
+
+def _triangle_multiplication(mod: TriangleMultiplication, z: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    x = mod.norm(z)
+    a = torch.sigmoid(mod.a_gate(x)) * mod.a(x)  # rows i local
+    b = gather(torch.sigmoid(mod.b_gate(x)) * mod.b(x), group, 1)  # every row
+    if mod.outgoing:
+        t = torch.einsum("bikc,bjkc->bijc", a, b)
+    else:  # a_ki for the local i: a split along columns
+        t = torch.einsum("bkic,bkjc->bijc", switch(a, group, 2, 1), b)
+    return torch.sigmoid(mod.gate(x)) * mod.out(mod.out_norm(t))
+
+
+def _triangle_attention(mod: TriangleAttention, z: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    if not mod.starting:  # the columns j local, as rows of the transposed pairs
+        z = switch(z, group, 2, 1).transpose(1, 2)
+    x = mod.norm(z)
+    q, k, v, g = mod.project(x)
+    bias = gather(mod.bias(x), group, 1).permute(0, 3, 1, 2).unsqueeze(1)  # b_jk for every j
+    out = mod.finish(gated_attention(q, k, v, g, bias))
+    return out if mod.starting else switch(out.transpose(1, 2), group, 1, 2)
+
+
+def axial_block(
+    block: EvoformerBlock, m: torch.Tensor, z: torch.Tensor, group: AxisGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``block`` over ``group`` (module docstring): ``m`` this rank's sequences [B, S/n, R, c_m],
+    ``z`` its rows [B, R/n, R, c_z]; returns both in the same layouts."""
+    n = group.size
+    if m.shape[2] % n or z.shape[1] * n != z.shape[2] or z.shape[2] != m.shape[2]:
+        raise ValueError(
+            f"dynamic axial parallelism over {n} ranks: the local MSA [B, S/n, R, c] needs R dividing by {n} and "
+            f"the local pairs [B, R/n, R, c] a 1/{n} share of the R rows; got {tuple(m.shape)}, {tuple(z.shape)}"
+        )
+    m = m + _row_attention(block, m, z, group)
+    cols = switch(m, group, 2, 1)  # [B, S, R/n, c]: every sequence of the local residues
+    cols = cols + block.column_attention(cols)
+    cols = cols + block.msa_transition(cols)
+    z = z + _outer_product_mean(block, cols, group)
+    m = switch(cols, group, 1, 2)
+    z = z + _triangle_multiplication(block.triangle_out, z, group)
+    z = z + _triangle_multiplication(block.triangle_in, z, group)
+    z = z + _triangle_attention(block.triangle_start, z, group)
+    z = z + _triangle_attention(block.triangle_end, z, group)
+    z = z + block.pair_transition(z)
+    return m, z
+
+
+class AxialEvoformerBlock(nn.Module):
+    """An :class:`EvoformerBlock` run with dynamic axial parallelism over ``group``."""
+
+    def __init__(self, block: EvoformerBlock, group: AxisGroup) -> None:
+        super().__init__()
+        self.block, self.group = block, group
+
+    def forward(self, m: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return axial_block(self.block, m, z, self.group)
+
+
+__all__ = ["AxialEvoformerBlock", "axial_block"]
