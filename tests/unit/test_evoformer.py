@@ -178,3 +178,18 @@ def test_bad_configs_and_batches_are_refused():
         TrunkConfig(min_distance=5.0, max_distance=2.0)
     with pytest.raises(ValueError, match="sequences, residues"):
         EvoformerTrunk(TrunkConfig(block=CONFIG))(torch.zeros(4, 5, dtype=torch.long))
+
+
+def test_padded_residues_under_the_mask_change_nothing_for_the_real_ones():
+    from tessera.models.evoformer.axial import pad_residues
+
+    block = randomised(EvoformerBlock(CONFIG))
+    m, z = inputs(r=5)
+    m_pad, z_pad, mask = pad_residues(m, z, 4)
+    assert m_pad.shape[2] == 8 and mask is not None and mask.tolist() == [True] * 5 + [False] * 3
+    want_m, want_z = block(m, z)
+    got_m, got_z = block(m_pad, z_pad, mask)
+    torch.testing.assert_close(got_m[:, :, :5], want_m)
+    torch.testing.assert_close(got_z[:, :5, :5], want_z)
+    unmasked_m, _ = block(m_pad, z_pad)
+    assert not torch.allclose(unmasked_m[:, :, :5], want_m), "without the mask the padding leaks in"

@@ -17,7 +17,8 @@ each) between blocks; the pair representation ``z`` [B, R, R, c_z] split along r
 
 Every exchange is differentiable (tessera.comm.autograd). The parameters are the same on every
 rank, and each rank's gradients are its share: the caller sums them over ``group``. ``R`` must
-divide by the group's size, and each rank holds as many sequences (padding is the next step).
+divide by the group's size (:func:`pad_residues` pads it, and the mask keeps the padding out of
+every sum and attention), and each rank holds as many sequences.
 """
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ from tessera.models.evoformer.block import (
 )
 
 
-def _row_attention(block: EvoformerBlock, m: torch.Tensor, z: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+def _row_attention(
+    block: EvoformerBlock, m: torch.Tensor, z: torch.Tensor, group: AxisGroup, mask: torch.Tensor | None
+) -> torch.Tensor:
     mod = block.row_attention
     q, k, v, g = mod.project(mod.norm(m))
     bias = gather(mod.pair_bias(mod.pair_norm(z)), group, 1)  # [B, R, R, H]
-    return mod.finish(gated_attention(q, k, v, g, bias.permute(0, 3, 1, 2).unsqueeze(1)))
+    return mod.finish(gated_attention(q, k, v, g, bias.permute(0, 3, 1, 2).unsqueeze(1), mask))
 
 
 def _outer_product_mean(block: EvoformerBlock, m_cols: torch.Tensor, group: AxisGroup) -> torch.Tensor:
@@ -52,50 +55,72 @@ def _outer_product_mean(block: EvoformerBlock, m_cols: torch.Tensor, group: Axis
     return mod.out(outer.flatten(-2))
 
 
-def _triangle_multiplication(mod: TriangleMultiplication, z: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+def _triangle_multiplication(
+    mod: TriangleMultiplication, z: torch.Tensor, group: AxisGroup, mask: torch.Tensor | None
+) -> torch.Tensor:
     x = mod.norm(z)
     a = torch.sigmoid(mod.a_gate(x)) * mod.a(x)  # rows i local
     b = gather(torch.sigmoid(mod.b_gate(x)) * mod.b(x), group, 1)  # every row
+    if not mod.outgoing:
+        a = switch(a, group, 2, 1)  # a_ki for the local i: a split along columns
+    if mask is not None:  # no edge through a padded residue k (dim 2 outgoing, dim 1 incoming)
+        keep = (mask[None, :, None] if mod.outgoing else mask[:, None, None]).to(a.dtype)
+        a, b = a * keep, b * keep
     if mod.outgoing:
         t = torch.einsum("bikc,bjkc->bijc", a, b)
-    else:  # a_ki for the local i: a split along columns
-        t = torch.einsum("bkic,bkjc->bijc", switch(a, group, 2, 1), b)
+    else:
+        t = torch.einsum("bkic,bkjc->bijc", a, b)
     return torch.sigmoid(mod.gate(x)) * mod.out(mod.out_norm(t))
 
 
-def _triangle_attention(mod: TriangleAttention, z: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+def _triangle_attention(
+    mod: TriangleAttention, z: torch.Tensor, group: AxisGroup, mask: torch.Tensor | None
+) -> torch.Tensor:
     if not mod.starting:  # the columns j local, as rows of the transposed pairs
         z = switch(z, group, 2, 1).transpose(1, 2)
     x = mod.norm(z)
     q, k, v, g = mod.project(x)
     bias = gather(mod.bias(x), group, 1).permute(0, 3, 1, 2).unsqueeze(1)  # b_jk for every j
-    out = mod.finish(gated_attention(q, k, v, g, bias))
+    out = mod.finish(gated_attention(q, k, v, g, bias, mask))
     return out if mod.starting else switch(out.transpose(1, 2), group, 1, 2)
 
 
 def axial_block(
-    block: EvoformerBlock, m: torch.Tensor, z: torch.Tensor, group: AxisGroup
+    block: EvoformerBlock, m: torch.Tensor, z: torch.Tensor, group: AxisGroup, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``block`` over ``group`` (module docstring): ``m`` this rank's sequences [B, S/n, R, c_m],
-    ``z`` its rows [B, R/n, R, c_z]; returns both in the same layouts."""
+    ``z`` its rows [B, R/n, R, c_z]; returns both in the same layouts. ``mask`` [R] bool: the
+    residues that exist, the others padding (R rounded up to a multiple of n: :func:`pad_residues`)."""
     n = group.size
     if m.shape[2] % n or z.shape[1] * n != z.shape[2] or z.shape[2] != m.shape[2]:
         raise ValueError(
             f"dynamic axial parallelism over {n} ranks: the local MSA [B, S/n, R, c] needs R dividing by {n} and "
             f"the local pairs [B, R/n, R, c] a 1/{n} share of the R rows; got {tuple(m.shape)}, {tuple(z.shape)}"
         )
-    m = m + _row_attention(block, m, z, group)
+    m = m + _row_attention(block, m, z, group, mask)
     cols = switch(m, group, 2, 1)  # [B, S, R/n, c]: every sequence of the local residues
     cols = cols + block.column_attention(cols)
     cols = cols + block.msa_transition(cols)
     z = z + _outer_product_mean(block, cols, group)
     m = switch(cols, group, 1, 2)
-    z = z + _triangle_multiplication(block.triangle_out, z, group)
-    z = z + _triangle_multiplication(block.triangle_in, z, group)
-    z = z + _triangle_attention(block.triangle_start, z, group)
-    z = z + _triangle_attention(block.triangle_end, z, group)
+    z = z + _triangle_multiplication(block.triangle_out, z, group, mask)
+    z = z + _triangle_multiplication(block.triangle_in, z, group, mask)
+    z = z + _triangle_attention(block.triangle_start, z, group, mask)
+    z = z + _triangle_attention(block.triangle_end, z, group, mask)
     z = z + block.pair_transition(z)
     return m, z
+
+
+def pad_residues(m: torch.Tensor, z: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Whole ``m`` [B, S, R, c_m] and ``z`` [B, R, R, c_z] with R padded (zeros) to a multiple of
+    ``size``, and the mask of the real residues (None: nothing padded)."""
+    residues = m.shape[2]
+    extra = -residues % size
+    if extra == 0:
+        return m, z, None
+    m = torch.nn.functional.pad(m, (0, 0, 0, extra))
+    z = torch.nn.functional.pad(z, (0, 0, 0, extra, 0, extra))
+    return m, z, torch.arange(residues + extra, device=m.device) < residues
 
 
 class AxialEvoformerBlock(nn.Module):
@@ -105,8 +130,10 @@ class AxialEvoformerBlock(nn.Module):
         super().__init__()
         self.block, self.group = block, group
 
-    def forward(self, m: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return axial_block(self.block, m, z, self.group)
+    def forward(
+        self, m: torch.Tensor, z: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return axial_block(self.block, m, z, self.group, mask)
 
 
-__all__ = ["AxialEvoformerBlock", "axial_block"]
+__all__ = ["AxialEvoformerBlock", "axial_block", "pad_residues"]

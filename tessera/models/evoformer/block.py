@@ -49,15 +49,23 @@ class EvoformerConfig:
 
 
 def gated_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gate: torch.Tensor,
+    bias: torch.Tensor | None,
+    keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention over the second-last axis of ``k``/``v``, per head, gated.
 
     ``q`` [..., L, H, c], ``k``/``v`` [..., L', H, c], ``gate`` [..., L, H, c] (already through its
-    sigmoid), ``bias`` broadcastable to [..., H, L, L'] or None. Returns [..., L, H, c]."""
+    sigmoid), ``bias`` broadcastable to [..., H, L, L'] or None; ``keys`` [L'] bool: the keys that
+    exist (None: all; padding is never attended to). Returns [..., L, H, c]."""
     scores = torch.einsum("...qhc,...khc->...hqk", q, k) / math.sqrt(q.shape[-1])
     if bias is not None:
         scores = scores + bias
+    if keys is not None:
+        scores = scores.masked_fill(~keys, float("-inf"))
     out = torch.einsum("...hqk,...khc->...qhc", scores.softmax(dim=-1), v)
     return out * gate
 
@@ -94,10 +102,10 @@ class MSARowAttentionWithPairBias(_Attention):
         self.pair_norm = nn.LayerNorm(config.c_z)
         self.pair_bias = nn.Linear(config.c_z, config.msa_heads, bias=False)
 
-    def forward(self, m: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def forward(self, m: torch.Tensor, z: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v, g = self.project(self.norm(m))  # [B, S, R, H, c]
         bias = self.pair_bias(self.pair_norm(z)).permute(0, 3, 1, 2).unsqueeze(1)  # [B, 1, H, R, R]
-        return self.finish(gated_attention(q, k, v, g, bias))
+        return self.finish(gated_attention(q, k, v, g, bias, mask))
 
 
 class MSAColumnAttention(_Attention):
@@ -157,10 +165,13 @@ class TriangleMultiplication(nn.Module):
         self.out = nn.Linear(d, c)
         self.gate = nn.Linear(c, c)
 
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
+    def forward(self, z: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         x = self.norm(z)
         a = torch.sigmoid(self.a_gate(x)) * self.a(x)
         b = torch.sigmoid(self.b_gate(x)) * self.b(x)
+        if mask is not None:  # no edge through a padded residue k
+            keep = (mask[None, :, None] if self.outgoing else mask[:, None, None]).to(a.dtype)
+            a, b = a * keep, b * keep
         if self.outgoing:
             t = torch.einsum("bikc,bjkc->bijc", a, b)
         else:
@@ -178,13 +189,13 @@ class TriangleAttention(_Attention):
         self.starting = starting
         self.bias = nn.Linear(config.c_z, config.pair_heads, bias=False)
 
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
+    def forward(self, z: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         if not self.starting:
             z = z.transpose(1, 2)
         x = self.norm(z)
         q, k, v, g = self.project(x)  # [B, R(i), R(j), H, c]
         bias = self.bias(x).permute(0, 3, 1, 2).unsqueeze(1)  # [B, 1, H, R(j), R(k)]: b_jk for every row i
-        out = self.finish(gated_attention(q, k, v, g, bias))
+        out = self.finish(gated_attention(q, k, v, g, bias, mask))
         return out if self.starting else out.transpose(1, 2)
 
 
@@ -204,15 +215,18 @@ class EvoformerBlock(nn.Module):
         self.triangle_end = TriangleAttention(config, starting=False)
         self.pair_transition = Transition(config.c_z, config.transition)
 
-    def forward(self, m: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        m = m + self.row_attention(m, z)
+    def forward(
+        self, m: torch.Tensor, z: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``mask`` [R] bool: the residues that exist (None: all); padded ones never reach the others."""
+        m = m + self.row_attention(m, z, mask)
         m = m + self.column_attention(m)
         m = m + self.msa_transition(m)
         z = z + self.outer_product_mean(m)
-        z = z + self.triangle_out(z)
-        z = z + self.triangle_in(z)
-        z = z + self.triangle_start(z)
-        z = z + self.triangle_end(z)
+        z = z + self.triangle_out(z, mask)
+        z = z + self.triangle_in(z, mask)
+        z = z + self.triangle_start(z, mask)
+        z = z + self.triangle_end(z, mask)
         z = z + self.pair_transition(z)
         return m, z
 
