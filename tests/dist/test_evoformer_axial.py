@@ -11,7 +11,7 @@ import torch
 
 from tessera import comm
 from tessera.models.evoformer import EvoformerBlock, EvoformerConfig
-from tessera.models.evoformer.axial import axial_block, pad_residues
+from tessera.models.evoformer.axial import axial_block, block_bytes, pad_residues
 from tessera.testing import use_layout
 
 CONFIG = EvoformerConfig(c_m=8, c_z=6, msa_heads=2, msa_head_dim=4, pair_heads=2, pair_head_dim=3, outer_dim=3,
@@ -69,3 +69,34 @@ def test_an_axially_parallel_block_equals_one_process(pools, ranks, residues):
     for rank, errors in enumerate(pools.run(ranks, compare_body, residues)):
         worst = {k: v for k, v in errors.items() if v > 1e-5}
         assert not worst, (rank, worst)
+
+
+def ledger_body(R: int) -> dict[str, dict]:
+    group = use_layout(config={}).group("world")
+    n, rank = group.size, group.rank
+    torch.manual_seed(0)
+    block = EvoformerBlock(CONFIG)
+    g = torch.Generator().manual_seed(1)
+    m, z, mask = pad_residues(
+        torch.randn(B, S, R, CONFIG.c_m, generator=g), torch.randn(B, R, R, CONFIG.c_z, generator=g), n
+    )
+    share = m.shape[2] // n
+    m_local = m[:, rank * S // n : (rank + 1) * S // n].clone().requires_grad_()
+    z_local = z[:, rank * share : (rank + 1) * share].clone().requires_grad_()
+    with comm.ledger() as forward:
+        m_out, z_out = axial_block(block, m_local, z_local, group, mask)
+    with comm.ledger() as backward:
+        (m_out.sum() + z_out.sum()).backward()
+    return {"forward": forward.summary(), "backward": backward.summary()}
+
+
+@pytest.mark.parametrize(("ranks", "residues"), [(2, 8), (4, 8), (4, 6)])
+def test_the_ledgers_bytes_per_block_are_the_formulas(pools, ranks, residues):
+    want = block_bytes(CONFIG, B, S, residues, ranks)
+    for seen in pools.run(ranks, ledger_body, residues):
+        forward = {op: v["bytes"] for (op, axis), v in seen["forward"].items()}
+        backward = {op: v["bytes"] for (op, axis), v in seen["backward"].items()}
+        assert forward == {"all_gather": want["all_gather"], "all_to_all": want["all_to_all"]}, (forward, want)
+        assert backward == {"reduce_scatter": want["all_gather"], "all_to_all": want["all_to_all"]}, (backward, want)
+        calls = {op: v["calls"] for (op, axis), v in seen["forward"].items()}
+        assert calls == {"all_gather": 6, "all_to_all": 5}, calls

@@ -23,6 +23,8 @@ every sum and attention), and each rank holds as many sequences.
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import torch
 from torch import nn
 
@@ -31,6 +33,7 @@ from tessera.comm.autograd import all_gather_forward_reduce_scatter_backward as 
 from tessera.comm.autograd import all_to_all_forward_all_to_all_backward as switch
 from tessera.models.evoformer.block import (
     EvoformerBlock,
+    EvoformerConfig,
     TriangleAttention,
     TriangleMultiplication,
     gated_attention,
@@ -123,6 +126,22 @@ def pad_residues(m: torch.Tensor, z: torch.Tensor, size: int) -> tuple[torch.Ten
     return m, z, torch.arange(residues + extra, device=m.device) < residues
 
 
+def block_bytes(
+    config: EvoformerConfig, batch: int, sequences: int, residues: int, size: int, element: int = 4
+) -> dict[str, Fraction]:
+    """The comm ledger's logical bytes per rank of one block's forward under DAP over ``size``
+    ranks, by op (docs/protein.md has the table): ``residues`` padded to a multiple of ``size``,
+    ``element`` bytes per value. The backward moves the same bytes, its gathers as reduce-scatters."""
+    r = residues + (-residues % size)
+    f = Fraction(size - 1, size)
+    c = config
+    gathered = (
+        batch * r * r * (c.msa_heads + 2 * c.triangle_dim + 2 * c.pair_heads) + batch * sequences * r * c.outer_dim
+    )
+    switched = Fraction(2 * batch * sequences * r * c.c_m + batch * r * r * (c.triangle_dim + 2 * c.c_z), size)
+    return {"all_gather": f * element * gathered, "all_to_all": f * element * switched}
+
+
 class AxialEvoformerBlock(nn.Module):
     """An :class:`EvoformerBlock` run with dynamic axial parallelism over ``group``."""
 
@@ -136,4 +155,4 @@ class AxialEvoformerBlock(nn.Module):
         return axial_block(self.block, m, z, self.group, mask)
 
 
-__all__ = ["AxialEvoformerBlock", "axial_block", "pad_residues"]
+__all__ = ["AxialEvoformerBlock", "axial_block", "block_bytes", "pad_residues"]
