@@ -193,3 +193,31 @@ def test_padded_residues_under_the_mask_change_nothing_for_the_real_ones():
     torch.testing.assert_close(got_z[:, :5, :5], want_z)
     unmasked_m, _ = block(m_pad, z_pad)
     assert not torch.allclose(unmasked_m[:, :, :5], want_m), "without the mask the padding leaks in"
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 64])
+def test_chunked_inference_gives_the_blocks_outputs(chunk):
+    from tessera.models.evoformer.axial import pad_residues
+    from tessera.models.evoformer.chunked import chunked_block
+
+    block = randomised(EvoformerBlock(CONFIG))
+    m, z = inputs(s=5, r=7)
+    with torch.no_grad():
+        want = block(m, z)
+    got = chunked_block(block, m, z, chunk)
+    torch.testing.assert_close(got, want)
+    m_pad, z_pad, mask = pad_residues(m, z, 4)
+    got_m, got_z = chunked_block(block, m_pad, z_pad, chunk, mask)
+    torch.testing.assert_close((got_m[:, :, :7], got_z[:, :7, :7]), want)
+
+
+def test_the_chunk_fits_the_budget():
+    from tessera.models.evoformer.chunked import chunk_for, row_bytes
+
+    per_row = row_bytes(CONFIG, 1, 8, 64)
+    assert per_row == 4 * max(2 * 64 * 64, 2 * 64 * 64, 2 * 8 * 8, 64 * 9, 64 * 5 + 64 * 2 * 6)
+    assert chunk_for(CONFIG, 1, 8, 64, 10 * per_row) == 10
+    assert chunk_for(CONFIG, 1, 8, 64, 10 * per_row - 1) == 9
+    assert chunk_for(CONFIG, 1, 8, 64, 1) == 1
+    with pytest.raises(ValueError, match="must be positive"):
+        chunk_for(CONFIG, 1, 8, 64, 0)
