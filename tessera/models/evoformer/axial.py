@@ -62,18 +62,11 @@ def _triangle_multiplication(
     mod: TriangleMultiplication, z: torch.Tensor, group: AxisGroup, mask: torch.Tensor | None
 ) -> torch.Tensor:
     x = mod.norm(z)
-    a = torch.sigmoid(mod.a_gate(x)) * mod.a(x)  # rows i local
-    b = gather(torch.sigmoid(mod.b_gate(x)) * mod.b(x), group, 1)  # every row
+    a, b = mod.factors(x)  # rows i local
+    b = gather(b, group, 1)  # every row
     if not mod.outgoing:
         a = switch(a, group, 2, 1)  # a_ki for the local i: a split along columns
-    if mask is not None:  # no edge through a padded residue k (dim 2 outgoing, dim 1 incoming)
-        keep = (mask[None, :, None] if mod.outgoing else mask[:, None, None]).to(a.dtype)
-        a, b = a * keep, b * keep
-    if mod.outgoing:
-        t = torch.einsum("bikc,bjkc->bijc", a, b)
-    else:
-        t = torch.einsum("bkic,bkjc->bijc", a, b)
-    return torch.sigmoid(mod.gate(x)) * mod.out(mod.out_norm(t))
+    return mod.finish(x, mod.product(a, b, mask))
 
 
 def _triangle_attention(

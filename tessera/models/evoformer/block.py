@@ -165,18 +165,26 @@ class TriangleMultiplication(nn.Module):
         self.out = nn.Linear(d, c)
         self.gate = nn.Linear(c, c)
 
-    def forward(self, z: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.norm(z)
-        a = torch.sigmoid(self.a_gate(x)) * self.a(x)
-        b = torch.sigmoid(self.b_gate(x)) * self.b(x)
-        if mask is not None:  # no edge through a padded residue k
+    def factors(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gated factors ``a`` and ``b`` of the normed pairs ``x``."""
+        return torch.sigmoid(self.a_gate(x)) * self.a(x), torch.sigmoid(self.b_gate(x)) * self.b(x)
+
+    def product(self, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The sum over the third residue k (none through a padded one: ``mask``)."""
+        if mask is not None:
             keep = (mask[None, :, None] if self.outgoing else mask[:, None, None]).to(a.dtype)
             a, b = a * keep, b * keep
         if self.outgoing:
-            t = torch.einsum("bikc,bjkc->bijc", a, b)
-        else:
-            t = torch.einsum("bkic,bkjc->bijc", a, b)
+            return torch.einsum("bikc,bjkc->bijc", a, b)
+        return torch.einsum("bkic,bkjc->bijc", a, b)
+
+    def finish(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.gate(x)) * self.out(self.out_norm(t))
+
+    def forward(self, z: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.norm(z)
+        a, b = self.factors(x)
+        return self.finish(x, self.product(a, b, mask))
 
 
 class TriangleAttention(_Attention):

@@ -46,18 +46,11 @@ def _triangle_multiplication(
     mod: TriangleMultiplication, z: torch.Tensor, chunk: int, mask: torch.Tensor | None
 ) -> torch.Tensor:
     x = mod.norm(z)
-    a = torch.sigmoid(mod.a_gate(x)) * mod.a(x)
-    b = torch.sigmoid(mod.b_gate(x)) * mod.b(x)
-    if mask is not None:
-        keep = (mask[None, :, None] if mod.outgoing else mask[:, None, None]).to(a.dtype)
-        a, b = a * keep, b * keep
+    a, b = mod.factors(x)
 
     def rows(part: slice) -> torch.Tensor:
-        if mod.outgoing:
-            t = torch.einsum("bikc,bjkc->bijc", _take(a, 1, part), b)
-        else:
-            t = torch.einsum("bkic,bkjc->bijc", _take(a, 2, part), b)
-        return torch.sigmoid(mod.gate(_take(x, 1, part))) * mod.out(mod.out_norm(t))
+        t = mod.product(_take(a, 1, part) if mod.outgoing else _take(a, 2, part), b, mask)
+        return mod.finish(_take(x, 1, part), t)
 
     return _by(1, z.shape[1], chunk, rows)
 
