@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -136,8 +135,7 @@ def main(args: argparse.Namespace) -> int:
     for side, (params, seen) in sizes.items():
         tried = ", ".join(f"w{w}: {'-' if g is None else f'{g / _MIB:.0f}'}" for w, g in seen.items())
         print(f"  largest {side}: {params:,} parameters ({tried} MiB)", flush=True)
-    with ExitStack():
-        video, _ = longest_clip_rows()
+    video, _ = longest_clip_rows()
     rows += video
     print_rows(rows)
     if args.out:

@@ -126,7 +126,7 @@ def side_body(side: str, case: UNetCase) -> dict[str, Any]:
     from tessera.memory.report import peak_rss_bytes, reset_peak_rss, trim_heap
 
     with tempfile.TemporaryDirectory() as folder:
-        warm = dataclasses.replace(case, width=8, steps=1, batch=case.batch)
+        warm = dataclasses.replace(case, width=8, steps=1)
         step, close, parts = _build(warm, side, f"{folder}/warm")
         import torch.distributed as dist
 

@@ -145,7 +145,8 @@ def search_longest(
     return seen
 
 
-def _longest(seen: dict[int, int | None], budget: int) -> int:
+def longest_fit(seen: dict[int, int | None], budget: int) -> int:
+    """The longest length of a :func:`search_longest` whose growth stayed within ``budget`` (0: none)."""
     fits = [length for length, grown in seen.items() if grown is not None and grown <= budget]
     return max(fits) if fits else 0
 
@@ -164,13 +165,13 @@ def longest_rows(
             for system, mode in sides:
                 label = f"{system} {mode} x{ranks}" if ranks > 1 else "one rank"
                 found[label] = pool_of[ranks].run(longest_body, system, mode, ranks, search, timeout=3600)[0]
-                print(f"  {label}: longest {_longest(found[label], search.budget)}", flush=True)
-    one = _longest(found["one rank"], search.budget)
+                print(f"  {label}: longest {longest_fit(found[label], search.budget)}", flush=True)
+    one = longest_fit(found["one rank"], search.budget)
     rows = []
     for ranks in search.ranks:
-        tp = _longest(found[f"tp 1d-sp x{ranks}"], search.budget)
+        tp = longest_fit(found[f"tp 1d-sp x{ranks}"], search.budget)
         for mode in MODES:
-            mine = _longest(found[f"sp {mode} x{ranks}"], search.budget)
+            mine = longest_fit(found[f"sp {mode} x{ranks}"], search.budget)
             rows.append(Row(f"longest sp {mode} x{ranks} vs one rank", "tokens", mine, "one rank", one))
             rows.append(Row(f"longest sp {mode} x{ranks} vs tp1d-sp", "tokens", mine, f"tp 1d-sp x{ranks}", tp))
     return rows, found
@@ -275,4 +276,4 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["SEARCH", "Search", "longest_rows", "main", "search_longest", "speed_rows"]
+__all__ = ["SEARCH", "Search", "longest_fit", "longest_rows", "main", "search_longest", "speed_rows"]

@@ -21,7 +21,7 @@ import torch
 
 from tessera.bench.pools import rank_pool
 from tessera.bench.report import Row
-from tessera.bench.sp import search_longest
+from tessera.bench.sp import longest_fit, search_longest
 
 if TYPE_CHECKING:
     from tessera.testing import PoolSet
@@ -102,11 +102,6 @@ def longest_clip_body(mode: str, ranks: int, search: ClipSearch = SEARCH) -> dic
     )  # fmt: skip
 
 
-def _longest(seen: dict[int, int | None], budget: int) -> int:
-    fits = [frames for frames, grown in seen.items() if grown is not None and grown <= budget]
-    return max(fits) if fits else 0
-
-
 def longest_clip_rows(
     search: ClipSearch = SEARCH, pools: PoolSet | None = None
 ) -> tuple[list[Row], dict[str, dict[int, int | None]]]:
@@ -123,10 +118,10 @@ def longest_clip_rows(
             for mode in search.modes:
                 label = f"sp {mode} x{ranks}"
                 found[label] = pool_of[ranks].run(longest_clip_body, mode, ranks, search, timeout=3600)[0]
-                print(f"  {label}: longest clip {_longest(found[label], search.budget)} frames", flush=True)
-    one = _longest(found["sp1"], search.budget)
+                print(f"  {label}: longest clip {longest_fit(found[label], search.budget)} frames", flush=True)
+    one = longest_fit(found["sp1"], search.budget)
     rows = [
-        Row(f"longest clip sp {mode} x{ranks} vs sp1", "frames", _longest(found[f"sp {mode} x{ranks}"], search.budget),
+        Row(f"longest clip sp {mode} x{ranks} vs sp1", "frames", longest_fit(found[f"sp {mode} x{ranks}"], search.budget),
             "sp1", one)
         for ranks in search.ranks
         for mode in search.modes

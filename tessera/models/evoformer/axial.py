@@ -36,7 +36,7 @@ from tessera.models.evoformer.block import (
     EvoformerConfig,
     TriangleAttention,
     TriangleMultiplication,
-    gated_attention,
+    heads_first,
 )
 
 
@@ -44,9 +44,8 @@ def _row_attention(
     block: EvoformerBlock, m: torch.Tensor, z: torch.Tensor, group: AxisGroup, mask: torch.Tensor | None
 ) -> torch.Tensor:
     mod = block.row_attention
-    q, k, v, g = mod.project(mod.norm(m))
     bias = gather(mod.pair_bias(mod.pair_norm(z)), group, 1)  # [B, R, R, H]
-    return mod.finish(gated_attention(q, k, v, g, bias.permute(0, 3, 1, 2).unsqueeze(1), mask))
+    return mod.attend(mod.norm(m), heads_first(bias), mask)
 
 
 def _outer_product_mean(block: EvoformerBlock, m_cols: torch.Tensor, group: AxisGroup) -> torch.Tensor:
@@ -75,9 +74,7 @@ def _triangle_attention(
     if not mod.starting:  # the columns j local, as rows of the transposed pairs
         z = switch(z, group, 2, 1).transpose(1, 2)
     x = mod.norm(z)
-    q, k, v, g = mod.project(x)
-    bias = gather(mod.bias(x), group, 1).permute(0, 3, 1, 2).unsqueeze(1)  # b_jk for every j
-    out = mod.finish(gated_attention(q, k, v, g, bias, mask))
+    out = mod.attend(x, heads_first(gather(mod.bias(x), group, 1)), mask)  # b_jk for every j
     return out if mod.starting else switch(out.transpose(1, 2), group, 1, 2)
 
 

@@ -93,6 +93,16 @@ class _Attention(nn.Module):
     def finish(self, o: torch.Tensor) -> torch.Tensor:
         return self.out(o.flatten(-2))
 
+    def attend(self, x: torch.Tensor, bias: torch.Tensor | None, keys: torch.Tensor | None) -> torch.Tensor:
+        """Gated attention of the normed ``x`` over its second-last axis, projected back."""
+        q, k, v, g = self.project(x)
+        return self.finish(gated_attention(q, k, v, g, bias, keys))
+
+
+def heads_first(bias: torch.Tensor) -> torch.Tensor:
+    """A per-head pair bias [B, R, R, H] as attention scores take it: [B, 1, H, R, R]."""
+    return bias.permute(0, 3, 1, 2).unsqueeze(1)
+
 
 class MSARowAttentionWithPairBias(_Attention):
     """Each sequence's residues attend to each other, biased per head by the pair representation."""
@@ -103,9 +113,7 @@ class MSARowAttentionWithPairBias(_Attention):
         self.pair_bias = nn.Linear(config.c_z, config.msa_heads, bias=False)
 
     def forward(self, m: torch.Tensor, z: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        q, k, v, g = self.project(self.norm(m))  # [B, S, R, H, c]
-        bias = self.pair_bias(self.pair_norm(z)).permute(0, 3, 1, 2).unsqueeze(1)  # [B, 1, H, R, R]
-        return self.finish(gated_attention(q, k, v, g, bias, mask))
+        return self.attend(self.norm(m), heads_first(self.pair_bias(self.pair_norm(z))), mask)
 
 
 class MSAColumnAttention(_Attention):
@@ -115,8 +123,7 @@ class MSAColumnAttention(_Attention):
         super().__init__(config.c_m, config.msa_heads, config.msa_head_dim)
 
     def forward(self, m: torch.Tensor) -> torch.Tensor:
-        q, k, v, g = self.project(self.norm(m.transpose(-2, -3)))  # [B, R, S, H, c]
-        return self.finish(gated_attention(q, k, v, g, None)).transpose(-2, -3)
+        return self.attend(self.norm(m.transpose(-2, -3)), None, None).transpose(-2, -3)  # over [B, R, S]
 
 
 class Transition(nn.Module):
@@ -201,9 +208,7 @@ class TriangleAttention(_Attention):
         if not self.starting:
             z = z.transpose(1, 2)
         x = self.norm(z)
-        q, k, v, g = self.project(x)  # [B, R(i), R(j), H, c]
-        bias = self.bias(x).permute(0, 3, 1, 2).unsqueeze(1)  # [B, 1, H, R(j), R(k)]: b_jk for every row i
-        out = self.finish(gated_attention(q, k, v, g, bias, mask))
+        out = self.attend(x, heads_first(self.bias(x)), mask)  # b_jk for every row i
         return out if self.starting else out.transpose(1, 2)
 
 
@@ -249,4 +254,5 @@ __all__ = [
     "TriangleAttention",
     "TriangleMultiplication",
     "gated_attention",
+    "heads_first",
 ]

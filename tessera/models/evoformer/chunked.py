@@ -25,7 +25,7 @@ from tessera.models.evoformer.block import (
     EvoformerConfig,
     TriangleAttention,
     TriangleMultiplication,
-    gated_attention,
+    heads_first,
 )
 
 
@@ -59,13 +59,8 @@ def _triangle_attention(mod: TriangleAttention, z: torch.Tensor, chunk: int, mas
     if not mod.starting:
         z = z.transpose(1, 2)
     x = mod.norm(z)
-    bias = mod.bias(x).permute(0, 3, 1, 2).unsqueeze(1)
-
-    def rows(part: slice) -> torch.Tensor:
-        q, k, v, g = mod.project(_take(x, 1, part))
-        return mod.finish(gated_attention(q, k, v, g, bias, mask))
-
-    out = _by(1, z.shape[1], chunk, rows)
+    bias = heads_first(mod.bias(x))
+    out = _by(1, z.shape[1], chunk, lambda part: mod.attend(_take(x, 1, part), bias, mask))
     return out if mod.starting else out.transpose(1, 2)
 
 
@@ -78,13 +73,8 @@ def chunked_block(
         raise ValueError(f"chunk={chunk} must be at least 1")
     s, r = m.shape[1], m.shape[2]
     row = block.row_attention
-    bias = row.pair_bias(row.pair_norm(z)).permute(0, 3, 1, 2).unsqueeze(1)
-
-    def msa_rows(part: slice) -> torch.Tensor:
-        q, k, v, g = row.project(row.norm(_take(m, 1, part)))
-        return row.finish(gated_attention(q, k, v, g, bias, mask))
-
-    m = m + _by(1, s, chunk, msa_rows)
+    bias = heads_first(row.pair_bias(row.pair_norm(z)))
+    m = m + _by(1, s, chunk, lambda part: row.attend(row.norm(_take(m, 1, part)), bias, mask))
     m = m + _by(2, r, chunk, lambda part: block.column_attention(_take(m, 2, part)))
     m = m + _by(1, s, chunk, lambda part: block.msa_transition(_take(m, 1, part)))
     outer = block.outer_product_mean
